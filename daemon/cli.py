@@ -1,0 +1,51 @@
+"""The `sluice` command: a thin dispatcher to one module per subcommand.
+
+Subcommand modules are imported only when used, so `sluice status` never pays for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("sluice.daemon.commands.generate", "generate text, offline or from a daemon"),
+    "chat": ("sluice.daemon.commands.chat", "chat interactively with a daemon"),
+    "simulate": ("sluice.daemon.commands.simulate", "run a scheduling scenario without a model"),
+    "bench": ("sluice.daemon.commands.bench", "load-test a running daemon"),
+    "status": ("sluice.daemon.commands.status", "show the daemon's state"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="sluice client and tools")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if only is None or name == only:
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as exc:
+                if exc.name != module_name:
+                    raise
+                continue  # a subcommand not built yet stays listed but inert
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    only = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(only)
+    args = parser.parse_args(argv)
+    module = getattr(args, "_module", None)
+    if module is None:
+        parser.error(f"'{args.command}' is not available in this build")
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Pure-torch references for the paged KV kernels, same signatures as the Triton launchers.
+
+These are also what runs on CPU, so they are written to be fast there: decodes of a step are
+gathered and attended in one batched call; only prefill chunks go one sequence at a time.
+Nothing here imports triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [num_tokens, kv_heads, head_dim] into the pools at `slot_mapping`."""
+    num_blocks, block_size, kv_heads, head_dim = key_cache.shape
+    flat_keys = key_cache.view(num_blocks * block_size, kv_heads, head_dim)
+    flat_values = value_cache.view(num_blocks * block_size, kv_heads, head_dim)
+    flat_keys.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    flat_values.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query tokens over its paged context.
+
+    query [num_tokens, num_heads, head_dim]; the query tokens of sequence i are
+    query[query_start_loc[i]:query_start_loc[i+1]] and are the last ones of its
+    seq_lens[i]-token context, whose K/V already sit in the pools (write them first).
+    """
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    block_size = key_cache.shape[1]
+    decodes = [i for i in range(len(lengths)) if starts[i + 1] - starts[i] == 1]
+    if decodes:
+        _attend_decodes(query, key_cache, value_cache, block_tables, starts, lengths,
+                        decodes, block_size, scale, out)
+    for i in range(len(lengths)):
+        q_len = starts[i + 1] - starts[i]
+        if q_len > 1:
+            _attend_chunk(query, key_cache, value_cache, block_tables[i], starts[i], q_len,
+                          lengths[i], block_size, scale, out)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[..., n_blocks] block ids -> [..., n_blocks * block_size, kv_heads, head_dim]."""
+    gathered = cache[block_ids]
+    return gathered.flatten(-4, -3)
+
+
+def _attend_decodes(query, key_cache, value_cache, block_tables, starts, lengths, decodes,
+                    block_size, scale, out) -> None:
+    rows = torch.tensor(decodes, dtype=torch.long)
+    token_index = torch.tensor([starts[i] for i in decodes], dtype=torch.long)
+    ctx = torch.tensor([lengths[i] for i in decodes], dtype=torch.long)
+    max_ctx = int(ctx.max())
+    n_blocks = -(-max_ctx // block_size)
+    tables = block_tables[rows, :n_blocks].long()
+    keys = _gather(key_cache, tables)[:, :max_ctx].transpose(1, 2)  # [B, kvh, L, d]
+    values = _gather(value_cache, tables)[:, :max_ctx].transpose(1, 2)
+    q = query[token_index].unsqueeze(2)  # [B, H, 1, d]
+    visible = torch.arange(max_ctx)[None, :] < ctx[:, None]  # [B, L]
+    attended = F.scaled_dot_product_attention(
+        q.to(keys.dtype), keys, values, attn_mask=visible[:, None, None, :], scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )
+    out[token_index] = attended.squeeze(2).to(out.dtype)
+
+
+def _attend_chunk(query, key_cache, value_cache, table, start, q_len, ctx_len, block_size,
+                  scale, out) -> None:
+    n_blocks = -(-ctx_len // block_size)
+    ids = table[:n_blocks].long()
+    keys = _gather(key_cache, ids)[:ctx_len].transpose(0, 1)  # [kvh, L, d]
+    values = _gather(value_cache, ids)[:ctx_len].transpose(0, 1)
+    q = query[start:start + q_len].transpose(0, 1)  # [H, q, d]
+    first_pos = ctx_len - q_len
+    query_pos = torch.arange(first_pos, ctx_len)[:, None]
+    visible = torch.arange(ctx_len)[None, :] <= query_pos  # [q, L]
+    attended = F.scaled_dot_product_attention(
+        q.to(keys.dtype), keys, values, attn_mask=visible, scale=scale,
+        enable_gqa=q.shape[0] != keys.shape[0],
+    )
+    out[start:start + q_len] = attended.transpose(0, 1).to(out.dtype)
