@@ -174,3 +174,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | cancelled | timeout | error | ...
     logprobs: list[SampledToken] | None = None
+    # accounting, filled at least on the finishing output
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    preemptions: int = 0
+    recomputed_tokens: int = 0
