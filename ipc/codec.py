@@ -1,0 +1,288 @@
+"""The one msgpack codec for every wire message.
+
+A frame is the msgpack array `[major, minor, tag, {field: value}]`. Decoding checks, in
+order: the frame size limit, that the bytes are msgpack, the protocol major version, the tag
+(against the set of messages the receiver accepts), and then every field's type, naming the
+offending field (dotted for nested values). Decoding never raises anything but `CodecError`.
+
+Range checks that need domain knowledge (a top_p of 7) are not made here; the daemon makes
+them when it turns a wire `Sampling` into the scheduler's parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgpack
+
+from sluice.ipc import messages as m
+
+DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
+
+
+class CodecError(Exception):
+    """A frame that cannot be accepted; `code` is the `RejectCode` the sender should get."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str = "",
+        code: m.RejectCode = m.RejectCode.INVALID,
+        request_id: str = "",
+    ):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.message = message
+        self.field = field
+        self.code = code
+        self.request_id = request_id  # when the frame named one, so the reply can too
+
+
+class _FieldError(Exception):
+    def __init__(self, path: str, message: str):
+        self.path = path
+        self.message = message
+
+
+_Check = Callable[[Any, str], Any]  # (raw value, dotted path) -> decoded value
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def _check_int(value: Any, path: str) -> int:
+    if type(value) is not int:
+        raise _FieldError(path, f"expected an integer, got {_type_name(value)}")
+    return value
+
+
+def _check_float(value: Any, path: str) -> float:
+    if type(value) is float:
+        return value
+    if type(value) is int:
+        return float(value)
+    raise _FieldError(path, f"expected a number, got {_type_name(value)}")
+
+
+def _check_str(value: Any, path: str) -> str:
+    if type(value) is not str:
+        raise _FieldError(path, f"expected a string, got {_type_name(value)}")
+    return value
+
+
+def _check_bool(value: Any, path: str) -> bool:
+    if type(value) is not bool:
+        raise _FieldError(path, f"expected true or false, got {_type_name(value)}")
+    return value
+
+
+def _check_bytes(value: Any, path: str) -> bytes:
+    if type(value) is not bytes:
+        raise _FieldError(path, f"expected bytes, got {_type_name(value)}")
+    return value
+
+
+def _enum_check(enum_type: type[enum.IntEnum]) -> _Check:
+    def check(value: Any, path: str) -> enum.IntEnum:
+        if type(value) is not int:
+            raise _FieldError(path, f"expected an integer code, got {_type_name(value)}")
+        try:
+            return enum_type(value)
+        except ValueError:
+            raise _FieldError(path, f"unknown {enum_type.__name__} {value}") from None
+
+    return check
+
+
+def _optional(inner: _Check) -> _Check:
+    def check(value: Any, path: str) -> Any:
+        return None if value is None else inner(value, path)
+
+    return check
+
+
+def _tuple_of(inner: _Check) -> _Check:
+    def check(value: Any, path: str) -> tuple:
+        if type(value) is not list:
+            raise _FieldError(path, f"expected a list, got {_type_name(value)}")
+        return tuple(inner(item, f"{path}[{i}]") for i, item in enumerate(value))
+
+    return check
+
+
+def _check_any(value: Any, path: str) -> Any:
+    return value
+
+
+class _Schema:
+    """How to encode and decode one dataclass: its fields, defaults and checks."""
+
+    def __init__(self, cls: type):
+        self.cls = cls
+        hints = typing.get_type_hints(cls)
+        self.fields = [f for f in dataclasses.fields(cls)]
+        self.names = tuple(f.name for f in self.fields)
+        self.required = frozenset(
+            f.name
+            for f in self.fields
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+        self.checks: dict[str, _Check] = {f.name: _compile(hints[f.name]) for f in self.fields}
+        self.nested = {
+            f.name: _nested_encoder(hints[f.name])
+            for f in self.fields
+            if _nested_encoder(hints[f.name]) is not None
+        }
+
+    def encode(self, msg: Any) -> dict:
+        body = {name: getattr(msg, name) for name in self.names}
+        for name, encode in self.nested.items():
+            body[name] = encode(body[name])
+        return body
+
+    def decode(self, body: Any, path: str) -> Any:
+        if type(body) is not dict:
+            raise _FieldError(path or "body", f"expected a map, got {_type_name(body)}")
+        prefix = f"{path}." if path else ""
+        for key in body:
+            if key not in self.checks:
+                raise _FieldError(f"{prefix}{key}", f"unknown field for {self.cls.__name__}")
+        for name in self.required:
+            if name not in body:
+                raise _FieldError(f"{prefix}{name}", "missing required field")
+        values = {name: self.checks[name](value, prefix + name) for name, value in body.items()}
+        return self.cls(**values)
+
+
+_SCHEMAS: dict[type, _Schema] = {}
+
+
+def _schema(cls: type) -> _Schema:
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        schema = _SCHEMAS[cls] = _Schema(cls)
+    return schema
+
+
+def _compile(hint: Any) -> _Check:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported union {hint}")
+        return _optional(_compile(args[0]))
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if len(args) != 2 or args[1] is not Ellipsis:
+            raise TypeError(f"only tuple[X, ...] is supported, got {hint}")
+        return _tuple_of(_compile(args[0]))
+    if isinstance(hint, type) and issubclass(hint, enum.IntEnum):
+        return _enum_check(hint)
+    if dataclasses.is_dataclass(hint):
+        return lambda value, path: _schema(hint).decode(value, path)
+    simple: dict[Any, _Check] = {
+        int: _check_int,
+        float: _check_float,
+        str: _check_str,
+        bool: _check_bool,
+        bytes: _check_bytes,
+        Any: _check_any,
+    }
+    if hint in simple:
+        return simple[hint]
+    raise TypeError(f"unsupported field type {hint!r}")
+
+
+def _nested_encoder(hint: Any) -> Callable[[Any], Any] | None:
+    """An encoder for fields holding dataclasses (directly, optionally or in a tuple)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        inner = _nested_encoder(args[0])
+        return None if inner is None else (lambda v: None if v is None else inner(v))
+    if origin is tuple:
+        inner = _nested_encoder(typing.get_args(hint)[0])
+        return None if inner is None else (lambda v: [inner(item) for item in v])
+    if dataclasses.is_dataclass(hint):
+        return lambda v: _schema(hint).encode(v)
+    return None
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise _FieldError("", f"msgpack extension type {code} is not allowed")
+
+
+class Codec:
+    """Encodes any wire message; decodes only the messages its receiver accepts."""
+
+    def __init__(
+        self,
+        accepts: Iterable[type] = m.WIRE_MESSAGES,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ):
+        self.max_frame_bytes = max_frame_bytes
+        self._by_tag: dict[int, type] = {cls.TAG: cls for cls in accepts}
+        for cls in m.WIRE_MESSAGES:
+            _schema(cls)
+        self._packer = msgpack.Packer(use_bin_type=True)
+
+    def encode(self, msg: Any) -> bytes:
+        cls = type(msg)
+        body = _schema(cls).encode(msg)
+        return self._packer.pack([m.PROTOCOL_MAJOR, m.PROTOCOL_MINOR, cls.TAG, body])
+
+    def decode(self, frame: bytes) -> Any:
+        if len(frame) > self.max_frame_bytes:
+            raise CodecError(
+                f"frame of {len(frame)} bytes exceeds the limit of {self.max_frame_bytes}",
+                field="frame",
+            )
+        try:
+            raw = msgpack.unpackb(
+                frame, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext
+            )
+        except _FieldError as exc:
+            raise CodecError(exc.message, field="frame") from None
+        except Exception as exc:  # msgpack raises many types for garbage input
+            raise CodecError(f"not a msgpack frame ({type(exc).__name__})", field="frame") from None
+        if type(raw) is not list or len(raw) != 4:
+            raise CodecError("expected [major, minor, tag, body]", field="frame")
+        major, _minor, tag, body = raw
+        request_id = ""
+        if type(body) is dict and type(body.get("request_id")) is str:
+            request_id = body["request_id"]
+        if type(major) is not int or major != m.PROTOCOL_MAJOR:
+            raise CodecError(
+                f"protocol version {major!r} is not supported; this daemon speaks "
+                f"{m.PROTOCOL_VERSION}",
+                field="version",
+                code=m.RejectCode.PROTOCOL_VERSION,
+                request_id=request_id,
+            )
+        cls = self._by_tag.get(tag) if type(tag) is int else None
+        if cls is None:
+            raise CodecError(f"unknown message tag {tag!r}", field="tag", request_id=request_id)
+        try:
+            return _schema(cls).decode(body, "")
+        except _FieldError as exc:
+            raise CodecError(exc.message, field=exc.path, request_id=request_id) from None
+        except (TypeError, ValueError) as exc:  # a dataclass __post_init__ refused the value
+            raise CodecError(str(exc), field=cls.__name__, request_id=request_id) from None
+
+
+def to_plain(msg: Any) -> Any:
+    """A message as plain dicts/lists/ints, the shape `--json` output uses."""
+    if dataclasses.is_dataclass(msg) and not isinstance(msg, type):
+        return {f.name: to_plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+    if isinstance(msg, enum.IntEnum):
+        return msg.name.lower()
+    if isinstance(msg, (list, tuple)):
+        return [to_plain(item) for item in msg]
+    return msg

@@ -1,0 +1,323 @@
+"""Every message sluice sends, as frozen dataclasses with stable type tags.
+
+Wire messages (client <-> daemon, operator <-> control socket) carry a `TAG` that never
+changes once released; `ipc.codec` maps them to msgpack. Internal messages travel between
+actors inside the daemon and never reach a socket; they are here too so that the whole
+conversation of the system can be read in one place. Enums on the wire are small ints.
+
+Clocks: durations are seconds measured on the daemon's monotonic clock; no field carries a
+wall-clock timestamp.
+
+What does not belong here: encoding (see `codec`), sockets, anything from `sluice.actors`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
+
+
+class RejectCode(enum.IntEnum):
+    """Why a request or frame was refused before any work was done for it."""
+
+    INVALID = 1  # malformed frame or out-of-range parameter; `field` names it
+    TOO_LONG = 2  # prompt plus max_tokens exceed the model's context
+    OVERLOADED = 3  # queue full
+    DRAINING = 4  # the daemon is shutting down or drained by an operator
+    QUOTA = 5  # the tenant is over its limits
+    UNAUTHORIZED = 6
+    PROTOCOL_VERSION = 7  # the frame's major version differs from the daemon's
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 1  # EOS, a stop token or a stop string
+    LENGTH = 2  # max_tokens or the model's context reached
+    CANCELLED = 3  # the client cancelled, or went away
+    TIMEOUT = 4  # paused by backpressure longer than pause_timeout
+    ERROR = 5  # an actor or the worker failed for this request
+    PREEMPTED_ABORT = 6  # preempted and could not be resumed
+
+
+# -- nested wire values ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # system | user | assistant
+    content: str
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters as the client sends them; the daemon range-checks them."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings; never sent back to the client
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    recomputed_tokens: int = 0  # tokens computed again after preemption or a worker restart
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Durations in seconds on the daemon's monotonic clock, from the request's arrival."""
+
+    queued: float = 0.0  # arrival -> admitted to the scheduler
+    first_token: float = 0.0  # arrival -> first chunk handed to the stream
+    total: float = 0.0  # arrival -> finished
+
+
+# -- client -> daemon -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Generate:
+    TAG: ClassVar[int] = 1
+    request_id: str  # chosen by the client, unique within its connection
+    prompt: str | None = None  # exactly one of prompt, messages, prompt_ids
+    messages: tuple[ChatMessage, ...] | None = None  # rendered with the chat template
+    prompt_ids: tuple[int, ...] | None = None
+    sampling: Sampling = Sampling()
+    priority: int = 0  # higher runs first under the priority policy
+    tenant: str = "default"
+    credits: int = 16  # chunks the client can take before its first Credit
+
+
+@dataclass(frozen=True)
+class Credit:
+    TAG: ClassVar[int] = 2
+    request_id: str
+    chunks: int  # how many more chunks the client can take
+
+
+@dataclass(frozen=True)
+class Cancel:
+    TAG: ClassVar[int] = 3
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent both ways; a peer that stays silent past the heartbeat timeout is gone."""
+
+    TAG: ClassVar[int] = 4
+    nonce: int = 0
+
+
+@dataclass(frozen=True)
+class Describe:
+    """Ask for `ServerInfo`: what any client may know about the daemon."""
+
+    TAG: ClassVar[int] = 5
+
+
+# -- daemon -> client -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Accepted:
+    TAG: ClassVar[int] = 16
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Rejected:
+    TAG: ClassVar[int] = 17
+    request_id: str  # empty when the frame was too broken to name one
+    code: RejectCode
+    message: str
+    field: str = ""  # the offending field, dotted (e.g. "sampling.top_p")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    TAG: ClassVar[int] = 18
+    request_id: str
+    text: str  # never splits a UTF-8 character, never contains a stop string
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    TAG: ClassVar[int] = 19
+    request_id: str
+    reason: FinishReason
+    usage: Usage = Usage()
+    timings: Timings = Timings()
+    text: str = ""  # held-back text released at the end (never a stop string)
+
+
+@dataclass(frozen=True)
+class Error:
+    """A request failed inside the daemon; a `Finished(error)` follows."""
+
+    TAG: ClassVar[int] = 20
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    TAG: ClassVar[int] = 21
+    protocol_version: str
+    model: str
+    max_model_len: int = 0
+
+
+# -- operator <-> control socket ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    state: str  # starting | ready | restarting | failed | null
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class KVStatus:
+    total_blocks: int = 0
+    free_blocks: int = 0
+    used_blocks: int = 0
+    cached_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class RequestCounts:
+    waiting: int = 0
+    running: int = 0
+    paused: int = 0
+
+
+@dataclass(frozen=True)
+class Counters:
+    accepted: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class StatusQuery:
+    TAG: ClassVar[int] = 32
+    check_invariants: bool = False  # also run the KV consistency check
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    TAG: ClassVar[int] = 33
+    state: str  # serving | draining | stopped
+    worker: WorkerStatus
+    kv: KVStatus
+    requests: RequestCounts
+    counters: Counters
+    connections: int = 0
+    invariant_errors: tuple[str, ...] = ()  # empty when consistent (or not checked)
+
+
+WIRE_MESSAGES: tuple[type, ...] = (
+    Generate, Credit, Cancel, Heartbeat, Describe,
+    Accepted, Rejected, Chunk, Finished, Error, ServerInfo,
+    StatusQuery, StatusReport,
+)  # fmt: skip
+CLIENT_MESSAGES: tuple[type, ...] = (Generate, Credit, Cancel, Heartbeat, Describe)
+SERVER_MESSAGES: tuple[type, ...] = (
+    Accepted, Rejected, Chunk, Finished, Error, ServerInfo, Heartbeat
+)  # fmt: skip
+CONTROL_REQUESTS: tuple[type, ...] = (StatusQuery,)
+
+
+# -- internal (between actors of one daemon; never encoded) ---------------------------------
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Tokenizer -> Scheduler: a validated, tokenized request."""
+
+    request_id: str  # daemon-wide id
+    connection: bytes
+    prompt_ids: tuple[int, ...]
+    sampling: Any  # the scheduler core's SamplingParams, already range-checked
+    priority: int
+    tenant: str
+    arrival: float  # monotonic
+
+
+@dataclass(frozen=True)
+class Release:
+    """Anyone -> Scheduler: end these requests now and free their KV."""
+
+    request_ids: tuple[str, ...]
+    reason: FinishReason
+
+
+@dataclass(frozen=True)
+class Pause:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Resume:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ClientGone:
+    connection: bytes
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """Executor -> Scheduler: the worker died; every in-flight step is void."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """Executor -> Scheduler: a (re)started worker passed its health check."""
+
+    restarts: int
+
+
+@dataclass(frozen=True)
+class Drain:
+    deadline: float | None = None  # seconds; None waits for every running request
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    report: StatusReport
+
+
+@dataclass(frozen=True)
+class Reconcile:
+    pass
+
+
+@dataclass(frozen=True)
+class Recover:
+    pass

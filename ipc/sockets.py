@@ -1,0 +1,137 @@
+"""A trio adapter for ZeroMQ sockets.
+
+ZeroMQ's `FD` is edge-triggered and signals "something changed", not "readable": the only
+truth is `EVENTS`. So every operation tries first with `NOBLOCK`, then checks `EVENTS`
+before sleeping on the FD, and loops. trio allows one task to wait on an FD at a time, so
+tasks that need to wait share one waiter: the first sleeps on the FD, the others on an event
+it sets. After every successful operation the sleeping waiter is woken to re-check
+`EVENTS`, because a send or receive can consume the edge another task was waiting for.
+
+One task receives on a socket; any number may send. A ROUTER is made `ROUTER_MANDATORY`, so
+sending to a peer that is gone raises `PeerGone` instead of dropping the message silently.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import trio
+import zmq
+
+
+class PeerGone(Exception):
+    """A ROUTER could not route to this identity: the peer disconnected."""
+
+    def __init__(self, identity: bytes):
+        super().__init__(f"peer {identity.hex()} is gone")
+        self.identity = identity
+
+
+_context: zmq.Context | None = None
+
+
+def context() -> zmq.Context:
+    """The process's one ZeroMQ context (inproc:// endpoints only meet inside one)."""
+    global _context
+    if _context is None or _context.closed:
+        _context = zmq.Context()
+    return _context
+
+
+class Socket:
+    """A ZeroMQ socket driven from trio without blocking the event loop."""
+
+    def __init__(self, socket_type: int, *, ctx: zmq.Context | None = None):
+        self.zmq = (ctx or context()).socket(socket_type)
+        self.zmq.setsockopt(zmq.LINGER, 0)
+        if socket_type == zmq.ROUTER:
+            self.zmq.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._fd = self.zmq.getsockopt(zmq.FD)
+        self._waiter_done: trio.Event | None = None
+        self._waiter_scope: trio.CancelScope | None = None
+        self._closed = False
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def bind(self, address: str) -> str:
+        """Bind and return the address peers should use (tcp port 0 becomes a real port)."""
+        self.zmq.bind(address)
+        return self.zmq.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def connect(self, address: str) -> None:
+        self.zmq.connect(address)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                trio.lowlevel.notify_closing(self._fd)
+            except RuntimeError:  # closed outside trio: nobody can be waiting
+                pass
+            self.zmq.close(linger=0)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Socket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- I/O --------------------------------------------------------------------------------
+
+    async def recv_multipart(self) -> list[bytes]:
+        while True:
+            try:
+                frames = self.zmq.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                await self._wait_for(zmq.POLLIN)
+                continue
+            self._wake_waiter()
+            await trio.lowlevel.checkpoint()
+            return frames
+
+    async def recv(self) -> bytes:
+        return (await self.recv_multipart())[-1]
+
+    async def send_multipart(self, frames: list[bytes]) -> None:
+        while True:
+            try:
+                self.zmq.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                await self._wait_for(zmq.POLLOUT)
+                continue
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EHOSTUNREACH:
+                    raise PeerGone(frames[0]) from None
+                raise
+            self._wake_waiter()
+            await trio.lowlevel.checkpoint()
+            return
+
+    async def send(self, frame: bytes) -> None:
+        await self.send_multipart([frame])
+
+    async def _wait_for(self, mask: int) -> None:
+        # Reading EVENTS also re-arms the edge-triggered FD, so check it before every sleep.
+        while not self.zmq.getsockopt(zmq.EVENTS) & mask:
+            if self._closed:
+                raise trio.ClosedResourceError("socket closed")
+            if self._waiter_done is not None:
+                await self._waiter_done.wait()
+                continue
+            done = self._waiter_done = trio.Event()
+            try:
+                with trio.CancelScope() as scope:
+                    self._waiter_scope = scope
+                    await trio.lowlevel.wait_readable(self._fd)
+            finally:
+                self._waiter_scope = None
+                self._waiter_done = None
+                done.set()
+
+    def _wake_waiter(self) -> None:
+        if self._waiter_scope is not None:
+            self._waiter_scope.cancel()

@@ -1,0 +1,141 @@
+"""The wire codec: round trips, and every kind of bad frame becomes a CodecError naming it."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.ipc import messages as m
+from sluice.ipc.codec import Codec, CodecError, to_plain
+
+client_codec = Codec(m.CLIENT_MESSAGES)
+
+
+def frame(tag: int, body: object, major: int = m.PROTOCOL_MAJOR) -> bytes:
+    return msgpack.packb([major, 0, tag, body], use_bin_type=True)
+
+
+def decode_error(raw: bytes, codec: Codec = client_codec) -> CodecError:
+    with pytest.raises(CodecError) as info:
+        codec.decode(raw)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        m.Generate("r1", prompt="hello", sampling=m.Sampling(max_tokens=3, stop=("\n",))),
+        m.Generate("r2", messages=(m.ChatMessage("user", "hi ☃"),), priority=-2, tenant="b"),
+        m.Generate("r3", prompt_ids=(1, 2, 3), sampling=m.Sampling(seed=7, top_k=5)),
+        m.Credit("r1", 4),
+        m.Cancel("r1"),
+        m.Heartbeat(9),
+        m.Describe(),
+        m.Accepted("r1", 12, 4),
+        m.Rejected("r1", m.RejectCode.TOO_LONG, "too long", "prompt"),
+        m.Chunk("r1", "héllo", (5, 6), (-0.5, -1.0)),
+        m.Finished("r1", m.FinishReason.TIMEOUT, m.Usage(3, 4, 1, 0), m.Timings(0.1, 0.2, 0.3)),
+        m.Error("r1", "boom"),
+        m.ServerInfo("1.0", "smollm2", 2048),
+        m.StatusQuery(True),
+        m.StatusReport(
+            "serving",
+            m.WorkerStatus("ready", 1),
+            m.KVStatus(10, 8, 2, 0),
+            m.RequestCounts(1, 2, 0),
+            m.Counters(5, 4, 1, 0, 0),
+            invariant_errors=("leak",),
+        ),
+    ],
+)
+def test_every_message_round_trips(msg: object) -> None:
+    codec = Codec()
+    assert codec.decode(codec.encode(msg)) == msg
+
+
+def test_enums_decode_to_their_types() -> None:
+    codec = Codec()
+    out = codec.decode(codec.encode(m.Finished("x", m.FinishReason.LENGTH)))
+    assert out.reason is m.FinishReason.LENGTH
+
+
+def test_nested_field_errors_are_dotted() -> None:
+    err = decode_error(frame(1, {"request_id": "a", "sampling": {"top_p": "high"}}))
+    assert (err.field, err.request_id) == ("sampling.top_p", "a")
+    err = decode_error(frame(1, {"request_id": "a", "messages": [{"role": "user"}]}))
+    assert err.field == "messages[0].content"
+    assert "missing" in err.message
+
+
+def test_missing_unknown_and_mistyped_fields_are_named() -> None:
+    assert decode_error(frame(2, {"chunks": 3})).field == "request_id"
+    assert decode_error(frame(2, {"request_id": "a", "chunks": 1, "x": 1})).field == "x"
+    assert decode_error(frame(2, {"request_id": "a", "chunks": True})).field == "chunks"
+    assert decode_error(frame(1, {"request_id": "a", "prompt_ids": [1, "2"]})).field == (
+        "prompt_ids[1]"
+    )
+
+
+def test_wrong_major_version_is_its_own_code() -> None:
+    err = decode_error(frame(3, {"request_id": "a"}, major=m.PROTOCOL_MAJOR + 1))
+    assert err.code is m.RejectCode.PROTOCOL_VERSION
+    assert err.request_id == "a"
+
+
+def test_receiver_refuses_tags_it_does_not_accept() -> None:
+    codec = Codec()
+    err = decode_error(codec.encode(m.Accepted("a", 1)))  # a server message sent to a server
+    assert err.field == "tag"
+
+
+def test_oversize_frame_is_refused_before_parsing() -> None:
+    small = Codec(m.CLIENT_MESSAGES, max_frame_bytes=64)
+    err = decode_error(small.encode(m.Generate("a", prompt="x" * 100)), small)
+    assert err.field == "frame" and "exceeds" in err.message
+
+
+def test_json_shape_uses_names_for_enums() -> None:
+    plain = to_plain(m.Finished("a", m.FinishReason.STOP))
+    assert plain["reason"] == "stop" and plain["usage"]["prompt_tokens"] == 0
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text() | st.binary(),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+field_names = st.sampled_from(
+    ["request_id", "prompt", "messages", "prompt_ids", "sampling", "priority", "tenant",
+     "credits", "chunks", "nonce", "bogus"]
+)  # fmt: skip
+
+
+@settings(max_examples=600, deadline=None)
+@given(raw=st.binary(max_size=256))
+def test_random_bytes_never_escape_as_other_errors(raw: bytes) -> None:
+    try:
+        client_codec.decode(raw)
+    except CodecError as exc:
+        assert exc.message
+    # bytes that happen to be a valid frame are fine too
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    major=st.sampled_from([m.PROTOCOL_MAJOR, m.PROTOCOL_MAJOR, 0, 2, "1"]),
+    tag=st.one_of(st.integers(-2, 40), st.text(max_size=3)),
+    body=st.one_of(st.dictionaries(field_names, msgpack_values, max_size=6), msgpack_values),
+)
+def test_structured_garbage_is_rejected_with_a_field(major: object, tag: object, body: object) -> None:
+    raw = msgpack.packb([major, 0, tag, body], use_bin_type=True)
+    try:
+        msg = client_codec.decode(raw)
+    except CodecError as exc:
+        assert exc.field, exc
+        if major != m.PROTOCOL_MAJOR:
+            assert exc.code is m.RejectCode.PROTOCOL_VERSION
+    else:
+        assert type(msg) in m.CLIENT_MESSAGES
