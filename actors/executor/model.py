@@ -1,0 +1,191 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias) over one
+flattened batch of tokens and a paged KV pool.
+
+There is one forward for everything: prefill chunks and decode tokens of many sequences are
+concatenated; attention reads each sequence's context through its block table. Weight
+loading lives in `loader.py`, batching in `runner.py`; attention in `sluice.kernels`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sluice import kernels
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+
+    def flops_per_token(self) -> float:
+        """Matmul FLOPs of one token's forward, lm_head included (attention scores excluded)."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        per_layer += 3 * self.hidden_size * self.intermediate_size
+        return 2.0 * (self.num_layers * per_layer + self.hidden_size * self.vocab_size)
+
+
+@dataclass
+class AttentionInputs:
+    """Where each token's K/V goes and what each sequence attends to (see sluice.kernels)."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+
+
+class _Layer:
+    __slots__ = ("input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down")
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        missing = [n for n in _required_names(config) if n not in weights]
+        if missing:
+            raise ValueError(f"model weights are missing {missing[0]!r} ({len(missing)} missing)")
+
+        def take(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = take("embed")
+        self.final_norm = take("final_norm")
+        self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head")
+        self.layers: list[_Layer] = []
+        for i in range(config.num_layers):
+            prefix = f"layers.{i}."
+            layer = _Layer()
+            layer.input_norm = take(prefix + "input_norm")
+            layer.post_norm = take(prefix + "post_attention_norm")
+            # one matmul for q, k and v, one for gate and up: fewer, larger GEMMs per layer
+            layer.qkv = torch.cat([take(prefix + n) for n in ("q_proj", "k_proj", "v_proj")])
+            layer.qkv_bias = (
+                torch.cat([take(prefix + n) for n in ("q_bias", "k_bias", "v_bias")])
+                if config.qkv_bias else None
+            )
+            layer.o_proj = take(prefix + "o_proj")
+            layer.gate_up = torch.cat([take(prefix + "gate_proj"), take(prefix + "up_proj")])
+            layer.down = take(prefix + "down_proj")
+            self.layers.append(layer)
+        self.cos, self.sin = _rotary_tables(config, self.device, dtype)
+        self.scale = config.head_dim ** -0.5
+
+    @classmethod
+    def random(cls, config: ModelConfig, device="cpu", dtype=torch.float32,
+               seed: int = 0) -> LlamaModel:
+        """Random weights of the given shape: for benchmarks of big shapes without a file."""
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        weights = {}
+        for name, shape in _weight_shapes(config).items():
+            if name.endswith("norm"):
+                weights[name] = torch.ones(shape)
+            else:
+                weights[name] = torch.randn(shape, generator=generator) * 0.02
+        return cls(config, weights, device=device, dtype=dtype)
+
+    def new_kv_pool(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # zeros, not empty: attention masks padded positions, and 0 * NaN would still be NaN
+        shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.config.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_pool: list[tuple[torch.Tensor, torch.Tensor]],
+                attn: AttentionInputs) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token."""
+        cfg = self.config
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        hidden = self.embed[input_ids]
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_pool):
+            normed = _rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = _rotate(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = _rotate(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            kernels.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
+            attended = kernels.paged_attention(
+                q.contiguous(), key_cache, value_cache, attn.block_tables,
+                attn.query_start_loc, attn.seq_lens, self.scale,
+            )
+            hidden = hidden + F.linear(attended.view(-1, q_size), layer.o_proj)
+            normed = _rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        return _rms_norm(hidden, self.final_norm, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # in float32 and cast back before the weight, as the reference implementation does
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _rotary_tables(config: ModelConfig, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
+def _weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, q = config.hidden_size, config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed": (config.vocab_size, h), "final_norm": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.vocab_size, h)
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "input_norm": (h,), p + "post_attention_norm": (h,),
+            p + "q_proj": (q, h), p + "k_proj": (kv, h), p + "v_proj": (kv, h),
+            p + "o_proj": (h, q), p + "gate_proj": (config.intermediate_size, h),
+            p + "up_proj": (config.intermediate_size, h),
+            p + "down_proj": (h, config.intermediate_size),
+        })
+        if config.qkv_bias:
+            shapes.update({p + "q_bias": (q,), p + "k_bias": (kv,), p + "v_bias": (kv,)})
+    return shapes
+
+
+def _required_names(config: ModelConfig) -> list[str]:
+    return list(_weight_shapes(config))

@@ -1,0 +1,189 @@
+"""Tokenizers and chat templates, from a GGUF file's metadata or a Hugging Face folder.
+
+Both end up as a `tokenizers.Tokenizer` plus the chat template and special token ids that
+came with the model; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, models, pre_tokenizers
+
+from sluice.actors.scheduler.plan import InvalidParams
+
+# how llama.cpp names the pre-tokenizer of a byte-level vocabulary -> the split it stands for
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT}
+_CONTROL = 3  # llama.cpp token type of special tokens such as <|im_end|>
+
+
+class Tokenizer:
+    def __init__(self, backend: Backend, *, eos_token_ids: frozenset[int],
+                 bos_token_id: int | None = None, add_bos: bool = False,
+                 chat_template: str | None = None):
+        self.backend = backend
+        self.eos_token_ids = eos_token_ids
+        self.bos_token_id = bos_token_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._template = None
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidParams("prompt", "must be a string")
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        _check_messages(messages)
+        if self.chat_template is None:
+            raise InvalidParams("messages", "this model has no chat template")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        token = self.backend.id_to_token
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=token(self.bos_token_id) if self.bos_token_id is not None else "",
+            eos_token=token(min(self.eos_token_ids)) if self.eos_token_ids else "",
+        )
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # the template writes any BOS itself; special tokens in it are matched whole
+        text = self.apply_chat_template(messages)
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidParams("messages", "must be a non-empty list of {role, content} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidParams(f"messages[{i}]", "must be an object with role and content")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise InvalidParams(f"messages[{i}].{key}", "must be a string")
+
+
+def _compile_template(source: str):
+    from jinja2 import StrictUndefined  # noqa: F401  (kept lenient like other servers)
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent,
+                                                                   ensure_ascii=False)
+    return env.from_string(source)
+
+
+def load_tokenizer(model_path: str | Path) -> Tokenizer:
+    path = Path(model_path)
+    if path.is_dir():
+        return _from_hf_folder(path)
+    return _from_gguf(path)
+
+
+def _from_gguf(path: Path) -> Tokenizer:
+    from sluice.actors.executor.loader import ModelLoadError, gguf_field, open_gguf
+
+    reader = open_gguf(path)
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(f"{path}: tokenizer type {kind!r} is not supported (byte-level BPE only)")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    merges = gguf_field(reader, "tokenizer.ggml.merges") or []
+    types = gguf_field(reader, "tokenizer.ggml.token_type") or []
+    vocab = {token: index for index, token in enumerate(tokens)}
+    backend = Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                                 ignore_merges=False))
+    pre = gguf_field(reader, "tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
+    if pre in _SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"), byte_level])
+    elif pre == "smollm":
+        # SmolLM's own tokenizer splits every digit before the GPT-2 byte-level split
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    special = [AddedToken(t, special=True, normalized=False)
+               for t, kind in zip(tokens, types) if kind == _CONTROL]
+    backend.add_special_tokens(special)
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
+    return Tokenizer(
+        backend,
+        eos_token_ids=frozenset(int(i) for i in (eos, eot) if i is not None),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        chat_template=gguf_field(reader, "tokenizer.chat_template"),
+    )
+
+
+def _from_hf_folder(folder: Path) -> Tokenizer:
+    from sluice.actors.executor.loader import ModelLoadError
+
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        raise ModelLoadError(f"{folder}: no tokenizer.json")
+    backend = Backend.from_file(str(file))
+    settings = _read_json(folder / "tokenizer_config.json")
+    config = _read_json(folder / "config.json")
+    generation = _read_json(folder / "generation_config.json")
+
+    def token_id(value) -> int | None:
+        if isinstance(value, dict):
+            value = value.get("content")
+        return backend.token_to_id(value) if isinstance(value, str) else None
+
+    eos_ids = set()
+    for source in (generation.get("eos_token_id"), config.get("eos_token_id")):
+        if isinstance(source, int):
+            eos_ids.add(source)
+        elif isinstance(source, list):
+            eos_ids.update(i for i in source if isinstance(i, int))
+    named_eos = token_id(settings.get("eos_token"))
+    if named_eos is not None:
+        eos_ids.add(named_eos)
+    template = settings.get("chat_template")
+    template_file = folder / "chat_template.jinja"
+    if template is None and template_file.is_file():
+        template = template_file.read_text()
+    bos = token_id(settings.get("bos_token"))
+    return Tokenizer(backend, eos_token_ids=frozenset(eos_ids), bos_token_id=bos,
+                     add_bos=bool(settings.get("add_bos_token", False)) and bos is not None,
+                     chat_template=template if isinstance(template, str) else None)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
