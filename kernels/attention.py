@@ -55,7 +55,7 @@ def _paged_attention_kernel(
     QUERIES_PER_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,8 +102,8 @@ def _paged_attention_kernel(
         k_offsets = block_ids[None, :] * stride_kb + in_block[None, :] * stride_kt + dims[:, None]
         k = tl.load(key_base + k_offsets, mask=dim_valid[:, None] & key_valid[None, :],
                     other=0.0)
-        if IEEE_DOT:
-            scores = tl.dot(q, k, input_precision="ieee")
+        if DOT_IN_FP32:
+            scores = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
             scores = tl.dot(q, k)
         scores = scores * scale_log2
@@ -120,8 +120,8 @@ def _paged_attention_kernel(
         v_offsets = block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt + dims[None, :]
         v = tl.load(value_base + v_offsets, mask=key_valid[:, None] & dim_valid[None, :],
                     other=0.0)
-        if IEEE_DOT:
-            acc += tl.dot(probs, v, input_precision="ieee")
+        if DOT_IN_FP32:
+            acc += tl.dot(probs, v.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(probs.to(v.dtype), v)
         running_max = new_max
@@ -188,8 +188,14 @@ def launch_paged_attention(out, query, key_cache, value_cache, block_tables, que
         QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=block_m, BLOCK_Q=block_q,
         TILE_N=max(32, block_size) if head_dim <= 128 else 32,
-        IEEE_DOT=query.dtype == torch.float32,
+        DOT_IN_FP32=_dot_in_fp32(query.dtype),
     )
+
+
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    # fp32 needs IEEE products (no TF32) to match the reference; the CPU interpreter
+    # multiplies bf16 bit patterns as integers, so it gets fp32 operands instead
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and checks.interpreting())
 
 
 def check_arguments(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
