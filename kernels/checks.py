@@ -87,6 +87,9 @@ class ValidatedValues:
     def check(self, tensors: Sequence[torch.Tensor], extra: tuple,
               validate: Callable[[], None]) -> None:
         """Run `validate()` unless these same tensors with these `extra` facts passed last time."""
+        if any(t.is_inference() for t in tensors):
+            validate()  # inference tensors keep no version counter: edits would go unseen
+            return
         versions = tuple(t._version for t in tensors)
         if (
             len(self._refs) == len(tensors)
