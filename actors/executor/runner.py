@@ -40,7 +40,8 @@ class ModelRunner:
             config, weights = load_weights(self.model_path, parse_dtype(dtype))
             model = LlamaModel(config, weights, device=device, dtype=parse_dtype(dtype))
         else:
-            self.model_path = None
+            # a model built elsewhere; the path, when given, still locates its tokenizer
+            self.model_path = resolve_model_path(model_path) if model_path else None
         self.model = model
         self.config: ModelConfig = model.config
         self.device = model.device
@@ -77,18 +78,23 @@ class ModelRunner:
         started = time.perf_counter()
         if not plan.seqs:
             return StepResult(step_id=plan.step_id)
-        inputs, logits_rows = self._prepare(plan)
-        hidden = self.model.forward(*inputs)
+        logits = self.forward_logits(plan)
         sampling_seqs = [s for s in plan.seqs if s.sample]
         sampled = {}
         if sampling_seqs:
-            logits = self.model.logits(hidden[logits_rows])
             for seq, token in zip(sampling_seqs, sample(logits, sampling_seqs)):
                 sampled[seq.request_id] = token
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepResult(step_id=plan.step_id, sampled=sampled,
                           forward_seconds=time.perf_counter() - started)
+
+    def forward_logits(self, plan: StepPlan):
+        """Run the step's forward (writing its KV); logits of the sequences that sample."""
+        inputs, logits_rows = self._prepare(plan)
+        hidden = self.model.forward(*inputs)
+        # the vocabulary projection only for rows that sample: prefill rows never need it
+        return self.model.logits(hidden[logits_rows])
 
     def _prepare(self, plan: StepPlan):
         bs = self.block_size

@@ -1,0 +1,183 @@
+"""The in-process engine: scheduler core + model runner + text, with a step-level API.
+
+Used by offline generation, benchmarks and tests, and as the reference the daemon's output
+is compared with. The daemon splits the same parts across actors and a worker process; this
+file stays free of sockets and threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+
+from sluice.actors.executor.runner import ModelRunner
+from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
+from sluice.actors.scheduler.errors import InvalidRequest
+from sluice.actors.scheduler.plan import InvalidParams, RequestOutput, SamplingParams
+from sluice.actors.text import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one request, with its text delta."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    usage: dict | None = None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Tracked:
+    detokenizer: IncrementalDetokenizer
+    completion: Completion
+
+
+class Engine:
+    def __init__(self, model: str | None = None, *, dtype: str = "float32",
+                 device: str = "cpu", scheduler_config: SchedulerConfig | None = None,
+                 num_blocks: int | None = None, max_model_len: int | None = None,
+                 runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None):
+        config = scheduler_config or SchedulerConfig()
+        if runner is None:
+            runner = ModelRunner(model, dtype=dtype, device=device,
+                                 num_blocks=num_blocks or None, block_size=config.block_size,
+                                 max_model_len=max_model_len)
+        self.runner = runner
+        self.tokenizer = tokenizer or load_tokenizer(runner.model_path)
+        config = dataclasses.replace(config, kv_blocks=runner.num_blocks,
+                                     block_size=runner.block_size)
+        self.scheduler = Scheduler(config, eos_token_ids=self.tokenizer.eos_token_ids,
+                                   max_model_len=runner.max_model_len)
+        self._tracked: dict[str, _Tracked] = {}
+        self._awaited: set[str] = set()  # requests a generate() call waits for
+        self._finished: dict[str, Completion] = {}  # finished awaited ones, until collected
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def add_request(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                    prompt_token_ids: list[int] | None = None,
+                    sampling: SamplingParams | None = None, request_id: str | None = None,
+                    tenant: str = "default", priority: int = 0) -> str:
+        """Queue one request; raises `Rejected` (or `InvalidParams`) naming what is wrong."""
+        sampling = sampling or SamplingParams()
+        try:
+            ids = self._prompt_ids(prompt, messages, prompt_token_ids)
+        except InvalidParams as exc:
+            raise InvalidRequest(str(exc)) from exc
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._tracked:
+            raise InvalidRequest(f"request_id: {request_id!r} is already in use")
+        self.scheduler.add_request(Request(request_id, ids, sampling, tenant=tenant,
+                                           priority=priority))
+        self._tracked[request_id] = _Tracked(
+            IncrementalDetokenizer(self.tokenizer, sampling.stop),
+            Completion(request_id, ids),
+        )
+        return request_id
+
+    def _prompt_ids(self, prompt, messages, prompt_token_ids) -> list[int]:
+        given = [x is not None for x in (prompt, messages, prompt_token_ids)]
+        if sum(given) != 1:
+            raise InvalidParams("prompt", "give exactly one of prompt, messages, prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidParams("prompt", "must be a non-empty string")
+            return self.tokenizer.encode(prompt)
+        if messages is not None:
+            return self.tokenizer.encode_chat(messages)
+        ids = list(prompt_token_ids)
+        vocab = self.runner.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidParams("prompt_token_ids", f"{bad[0]!r} is not a token id in [0, {vocab})")
+        return ids
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> EngineOutput | None:
+        out = self.scheduler.abort(request_id, reason)
+        return self._track(out) if out is not None else None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.seqs:
+            return []
+        result = self.runner.execute(plan)
+        return [self._track(out) for out in self.scheduler.update(plan, result)]
+
+    def _track(self, out: RequestOutput) -> EngineOutput:
+        tracked = self._tracked.get(out.request_id)
+        if tracked is None:
+            return EngineOutput(out.request_id, out.new_token_ids, "", out.finished,
+                                out.finish_reason)
+        detok, completion = tracked.detokenizer, tracked.completion
+        before = len(detok.text)
+        detok.push(out.new_token_ids)
+        if detok.stopped and not out.finished:
+            # a stop string ended the text: end the request in this same iteration
+            stopped = self.scheduler.finish(out.request_id, "stop")
+            if stopped is not None:
+                stopped.new_token_ids = out.new_token_ids
+                out = stopped
+        completion.token_ids.extend(out.new_token_ids)
+        usage = None
+        if out.finished:
+            detok.flush()
+            completion.finish_reason = out.finish_reason
+            completion.text = detok.text
+            usage = {
+                "prompt_tokens": len(completion.prompt_token_ids),
+                "completion_tokens": len(completion.token_ids),
+                "cached_tokens": out.cached_tokens,
+                "preemptions": out.preemptions,
+                "recomputed_tokens": out.recomputed_tokens,
+            }
+            completion.usage = usage
+            del self._tracked[out.request_id]
+            if out.request_id in self._awaited:
+                self._finished[out.request_id] = completion
+        return EngineOutput(out.request_id, out.new_token_ids, detok.text[before:],
+                            out.finished, out.finish_reason, usage)
+
+    def generate(self, prompts: list, sampling: SamplingParams | list[SamplingParams] | None = None,
+                 *, chat: bool = False) -> list[Completion]:
+        """Run prompts (strings, token-id lists, or message lists with chat=True) to the end."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                if chat:
+                    ids.append(self.add_request(messages=prompt, sampling=sp))
+                elif isinstance(prompt, str):
+                    ids.append(self.add_request(prompt, sampling=sp))
+                else:
+                    ids.append(self.add_request(prompt_token_ids=prompt, sampling=sp))
+        except Exception:
+            for request_id in ids:  # all or nothing: no half-submitted batch keeps running
+                self.abort(request_id)
+            raise
+        self._awaited.update(ids)
+        try:
+            while any(i in self._tracked for i in ids):
+                self.step()
+            return [self._finished.pop(i) for i in ids]
+        finally:
+            self._awaited.difference_update(ids)

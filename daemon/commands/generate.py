@@ -1,0 +1,107 @@
+"""`sluice generate`: one request, either in this process (`--offline`) or from a daemon
+(`--connect ADDR`, handled by `remote.py`). Both print the same text or `--json` object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--offline", action="store_true",
+                       help="load the model in this process instead of asking a daemon")
+    where.add_argument("--connect", metavar="ADDR", help="daemon address, e.g. tcp://127.0.0.1:7340")
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or Hugging Face folder (offline; default: embedded model)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="offline only")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="raw prompt text")
+    what.add_argument("--chat", help="a user message, wrapped in the model's chat template")
+    what.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids: not a comma-separated list of integers: {text!r}") from None
+    if not ids:
+        raise ValueError("--prompt-ids: empty")
+    return ids
+
+
+def sampling_from_args(args):
+    from sluice.actors.scheduler.plan import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def print_result(args, text: str, token_ids: list[int], finish_reason: str, usage: dict) -> None:
+    if args.json:
+        print(json.dumps({
+            "text": text,
+            "token_ids": token_ids,
+            "finish_reason": finish_reason,
+            "usage": {"prompt_tokens": usage["prompt_tokens"],
+                      "completion_tokens": usage["completion_tokens"]},
+        }))
+    else:
+        print(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.connect:
+        from sluice.daemon.commands import remote
+
+        return remote.run(args)
+    from sluice.actors.engine import Engine
+    from sluice.actors.executor.loader import ModelLoadError
+    from sluice.actors.scheduler.errors import Rejected
+    from sluice.actors.scheduler.plan import InvalidParams
+
+    try:
+        sampling = sampling_from_args(args)
+        engine = Engine(args.model, dtype=args.dtype)
+        if args.chat is not None:
+            prompt = {"messages": [{"role": "user", "content": args.chat}]}
+        elif args.prompt_ids is not None:
+            prompt = {"prompt_token_ids": parse_prompt_ids(args.prompt_ids)}
+        else:
+            prompt = {"prompt": args.prompt}
+        request_id = engine.add_request(sampling=sampling, **prompt)
+        text, token_ids, finished = [], [], None
+        while finished is None:
+            for out in engine.step():
+                if out.request_id != request_id:
+                    continue
+                text.append(out.text)
+                token_ids.extend(out.new_token_ids)
+                if not args.json and out.text:
+                    sys.stdout.write(out.text)
+                    sys.stdout.flush()
+                if out.finished:
+                    finished = out
+    except (ModelLoadError, Rejected, InvalidParams, ValueError) as exc:
+        print(f"sluice generate: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print_result(args, "".join(text), token_ids, finished.finish_reason, finished.usage)
+    else:
+        sys.stdout.write("\n")
+    return 0

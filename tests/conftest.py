@@ -1,0 +1,56 @@
+"""Fixtures shared by every test folder: the embedded model loaded once per session, and an
+engine factory that checks the KV invariant after each test that used it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm_path():
+    from sluice.actors.executor.loader import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def smollm_model(smollm_path):
+    from sluice.actors.executor.loader import load_weights
+    from sluice.actors.executor.model import LlamaModel
+
+    config, weights = load_weights(smollm_path, torch.float32)
+    return LlamaModel(config, weights)
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(smollm_path):
+    from sluice.actors.text import load_tokenizer
+
+    return load_tokenizer(smollm_path)
+
+
+@pytest.fixture
+def make_engine(smollm_model, smollm_path, smollm_tokenizer):
+    """make_engine(num_blocks=..., **scheduler settings) -> Engine on the shared weights.
+
+    At teardown every engine made must pass the KV invariant: consistent block table, and
+    each live request holding exactly ceil(computed tokens / block size) blocks.
+    """
+    from sluice.actors.engine import Engine
+    from sluice.actors.executor.runner import ModelRunner
+    from sluice.actors.scheduler import SchedulerConfig
+
+    engines = []
+
+    def make(num_blocks: int = 256, **settings):
+        runner = ModelRunner(model=smollm_model, model_path=smollm_path, num_blocks=num_blocks,
+                             block_size=settings.get("block_size", 16))
+        engine = Engine(runner=runner, tokenizer=smollm_tokenizer,
+                        scheduler_config=SchedulerConfig(**settings))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.scheduler.check_invariants()

@@ -1,0 +1,62 @@
+"""Greedy output equals Hugging Face transformers' on the same GGUF weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.actors.scheduler.plan import SamplingParams
+
+NEW_TOKENS = 64
+
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who "
+    "every morning walked down to the harbour before sunrise. One day he found",
+    "List three prime numbers: 2, 3,",
+    "Water boils at 100 degrees Celsius at sea level. At the top of a high mountain the air "
+    "pressure is lower, so water boils at a lower temperature. This is why cooking pasta in "
+    "the mountains takes longer, because",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of Japan?"}],
+    [{"role": "user", "content": "Write a haiku about autumn leaves."}],
+    [{"role": "system", "content": "You answer in one short sentence."},
+     {"role": "user", "content": "Why is the sky blue? Explain it like I am ten years old, "
+                                 "and mention the sun and the air."}],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm_path):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # run all 64 tokens, as ignore_eos does
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS,
+                             do_sample=False, attention_mask=torch.ones(1, len(prompt_ids),
+                                                                        dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.slow
+def test_greedy_tokens_match_transformers(make_engine, smollm_tokenizer, hf_model):
+    prompts = [smollm_tokenizer.encode(p) for p in RAW_PROMPTS]
+    prompts += [smollm_tokenizer.encode_chat(c) for c in CHATS]
+    lengths = [len(p) for p in prompts]
+    assert any(n > 3 * 16 for n in lengths) and any(n % 16 for n in lengths)
+
+    engine = make_engine(max_prefill_chunk=32)  # long prompts also cross chunk boundaries
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    ours = engine.generate(prompts, greedy)
+
+    for prompt, completion in zip(prompts, ours):
+        assert completion.finish_reason == "length"
+        assert completion.token_ids == hf_greedy(hf_model, prompt), smollm_tokenizer.decode(prompt)
