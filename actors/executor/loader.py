@@ -150,7 +150,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
             values = _unpermute_rotary_rows(values, config.num_heads)
         elif name.endswith((".k_proj", ".k_bias")):
             values = _unpermute_rotary_rows(values, config.num_kv_heads)
-        weights[name] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)
+        weights[name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
     return config, weights
 
 
