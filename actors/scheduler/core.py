@@ -1,0 +1,448 @@
+"""The scheduler core: admission, one plan per iteration, and turning results into outputs.
+
+Synchronous and free of I/O: `schedule() -> StepPlan`, the executor runs it, `update(plan,
+result) -> [RequestOutput]`. One rule covers every kind of work: each step a request's
+computed tokens catch up with its known tokens (prompt + generated), so a prefill chunk, a
+prefix-cache hit, a recompute after preemption and a decode differ only in their numbers.
+Lifecycle operations outside a step (abort, pause, requeue) are in `lifecycle.py`; checks and
+snapshots in `inspection.py`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from sluice.actors.scheduler.block_manager import BlockManager, hash_block
+from sluice.actors.scheduler.config import SchedulerConfig
+from sluice.actors.scheduler.errors import InvalidRequest, Overloaded, Quota, TooLong
+from sluice.actors.scheduler.inspection import InspectionMixin
+from sluice.actors.scheduler.lifecycle import LifecycleMixin
+from sluice.actors.scheduler.plan import (
+    RequestOutput,
+    SamplingParams,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
+from sluice.actors.scheduler.policy import TenantState, make_policy, preemption_key
+from sluice.actors.scheduler.request import Request, RequestState
+from sluice.actors.scheduler.wait_queue import WaitQueue
+
+WAITING, PREFILLING, DECODING = RequestState.WAITING, RequestState.PREFILLING, RequestState.DECODING
+PAUSED, PREEMPTED = RequestState.PAUSED, RequestState.PREEMPTED
+
+
+class Scheduler(LifecycleMixin, InspectionMixin):
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_model_len: int = 2048,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config = config or SchedulerConfig()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.block_manager = BlockManager(
+            config.kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.policy = make_policy(config)
+        self.waiting = WaitQueue(self.policy, config.aging_seconds)
+        self.running: dict[str, Request] = {}  # prefilling and decoding, in admission order
+        self.prefilling: dict[str, Request] = {}  # the prefilling subset of `running`
+        self.paused: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every request not yet ended
+        self.tenants: dict[str, TenantState] = {}
+        self.recently_ended: OrderedDict[str, Request] = OrderedDict()
+        self.num_preemptions = 0
+        self.num_rejected = 0
+        self.ended_by_reason: dict[str, int] = {}
+        self._step_id = 0
+        self._rng = random.Random(config.seed)
+        self._admission_open = True
+        self._reserved_blocks = 0
+        self._budget = 0.0
+        self._seqs: dict[str, ScheduledSeq] = {}
+        # outputs of requests that ended while planning (a pool too small for one request)
+        self._pending_outputs: list[RequestOutput] = []
+
+    # -- admission ------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise `Rejected` (invalid, too_long, quota, overloaded)."""
+        try:
+            self._validate(request)
+        except Exception:
+            self.num_rejected += 1
+            self._tenant(request.tenant).rejected += 1
+            raise
+        now = self.clock()
+        if request.arrival_time is None:
+            request.arrival_time = now
+        request.all_token_ids = list(request.prompt_token_ids)
+        sampling = request.sampling
+        request.sampling_seed = (
+            sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
+        )
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        request.stop_ids = frozenset(stop_ids)
+        request.max_total_tokens = min(
+            len(request.prompt_token_ids) + sampling.max_tokens, self.max_model_len
+        )
+        request.state = WAITING
+        request.queued_time = now
+        self.requests[request.request_id] = request
+        tenant = self._tenant(request.tenant)
+        self._activate(tenant)
+        self._enqueue(request)
+
+    def _validate(self, request: Request) -> None:
+        rid = request.request_id
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequest("request_id: must be a non-empty string")
+        if rid in self.requests:
+            raise InvalidRequest(f"request_id: {rid!r} is already in use")
+        if not isinstance(request.sampling, SamplingParams):
+            raise InvalidRequest("sampling: must be SamplingParams")
+        prompt = request.prompt_token_ids
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidRequest("prompt_token_ids: must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and t >= 0 for t in prompt):
+            raise InvalidRequest("prompt_token_ids: every token id must be an integer >= 0")
+        if not isinstance(request.priority, int):
+            raise InvalidRequest("priority: must be an integer")
+        n = len(prompt)
+        if n + 1 > self.max_model_len:
+            raise TooLong(
+                f"prompt_token_ids: {n} tokens leave no room to generate "
+                f"within max_model_len {self.max_model_len}"
+            )
+        bm = self.block_manager
+        if bm.blocks_for(n + 1) > bm.num_total_blocks:
+            raise TooLong(
+                f"prompt_token_ids: {n} tokens do not fit the KV pool "
+                f"({bm.num_total_blocks * bm.block_size} tokens)"
+            )
+        if self.config.admission == "reserve":
+            total = min(n + request.sampling.max_tokens, self.max_model_len)
+            if bm.blocks_for(total) > bm.num_total_blocks:
+                raise TooLong(
+                    f"max_tokens: prompt + max_tokens = {total} tokens cannot be reserved in "
+                    f"the KV pool ({bm.num_total_blocks * bm.block_size} tokens)"
+                )
+        limits = self.config.tenant(request.tenant)
+        if limits.max_new_tokens is not None and request.sampling.max_tokens > limits.max_new_tokens:
+            raise Quota(
+                f"max_tokens: tenant {request.tenant!r} allows at most {limits.max_new_tokens}, "
+                f"got {request.sampling.max_tokens}"
+            )
+        if limits.max_context is not None and n + request.sampling.max_tokens > limits.max_context:
+            raise Quota(
+                f"prompt_token_ids: prompt + max_tokens = {n + request.sampling.max_tokens} "
+                f"exceeds tenant {request.tenant!r}'s max_context {limits.max_context}"
+            )
+        tenant = self.tenants.get(request.tenant)
+        if limits.max_queued is not None and tenant and tenant.waiting >= limits.max_queued:
+            raise Quota(
+                f"tenant: {request.tenant!r} already has {tenant.waiting} requests queued "
+                f"(max_queued {limits.max_queued})"
+            )
+        if len(self.waiting) >= self.config.max_queued:
+            raise Overloaded(f"queue: {len(self.waiting)} requests are already waiting")
+
+    # -- planning -------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Plan one iteration: decode tokens and prefill chunks within the token budget."""
+        now = self.clock()
+        self._step_id += 1
+        cfg = self.config
+        self._seqs = {}
+        self._budget = float(cfg.token_budget)
+        if cfg.order == "decode_first":
+            self._schedule_decodes()
+            self._schedule_prefills(now)
+        else:
+            pending_decodes = len(self.running) - len(self.prefilling)
+            held_back = min(cfg.decode_share * cfg.token_budget, cfg.decode_weight * pending_decodes)
+            self._budget -= held_back
+            self._schedule_prefills(now)
+            self._budget += held_back
+            self._schedule_decodes()
+        plan = StepPlan(step_id=self._step_id, seqs=list(self._seqs.values()))
+        self._seqs = {}
+        return plan
+
+    def _schedule_decodes(self) -> None:
+        w_d = self.config.decode_weight
+        capacity = self.block_manager.block_size
+        for request in list(self.running.values()):
+            if self._budget < w_d:
+                break
+            if request.state is not DECODING:
+                continue
+            start = request.num_computed_tokens
+            if start >= len(request.all_token_ids):  # the toy mode's first decode
+                start -= 1
+            if start + 1 > len(request.block_ids) * capacity:
+                if not self._grow(request, 1, may_preempt_self=True):
+                    continue
+            self._emit(request, start, 1, decode=True)
+            self._budget -= w_d
+
+    def _schedule_prefills(self, now: float) -> None:
+        cfg = self.config
+        w_p = cfg.prefill_weight
+        if self._budget < w_p:
+            return
+        for request in self.policy.prefill_order(list(self.prefilling.values()), self.tenants):
+            if self._budget < w_p:
+                return
+            if request.state is PREFILLING and request.request_id not in self._seqs:
+                self._schedule_chunk(request, may_preempt=True)
+        while (
+            len(self.prefilling) < cfg.max_prefilling
+            and len(self.running) < cfg.max_running
+            and self._budget >= w_p
+            and len(self.waiting)
+            and self._admission_allowed()
+        ):
+            request = self.waiting.select(now, self.tenants, self._tenant_may_run)
+            if request is None or not self._admit(request, now):
+                return
+
+    def _schedule_chunk(self, request: Request, *, may_preempt: bool) -> bool:
+        cfg = self.config
+        bm = self.block_manager
+        start = request.num_computed_tokens
+        n = min(
+            len(request.all_token_ids) - start,
+            cfg.max_prefill_chunk,
+            int(self._budget // cfg.prefill_weight),
+        )
+        if n <= 0:
+            return False
+        missing = bm.blocks_for(start + n) - len(request.block_ids)
+        if missing > 0 and not bm.can_allocate(missing):
+            if not (may_preempt and self._grow(request, missing, may_preempt_self=False)):
+                # take what the pool has left rather than stall the whole chunk
+                fits = (len(request.block_ids) + bm.num_available_blocks) * bm.block_size - start
+                n = min(n, fits)
+                if n <= 0:
+                    return False
+                missing = bm.blocks_for(start + n) - len(request.block_ids)
+                if missing > 0:
+                    request.block_ids.extend(bm.allocate(missing))
+        elif missing > 0:
+            request.block_ids.extend(bm.allocate(missing))
+        self._emit(request, start, n, decode=False)
+        self._budget -= cfg.prefill_weight * n
+        return True
+
+    def _emit(self, request: Request, start: int, n: int, *, decode: bool) -> None:
+        tokens = request.all_token_ids
+        end = start + n
+        sampling = request.sampling
+        sample = end >= len(tokens) and (
+            self.config.first_token_from_prefill or bool(request.output_token_ids) or decode
+        )
+        penalties = sampling.has_penalties
+        self._seqs[request.request_id] = ScheduledSeq(
+            request_id=request.request_id,
+            token_ids=tokens[start:end],
+            start_pos=start,
+            block_table=request.block_ids,
+            sample=sample,
+            sampling=sampling,
+            num_generated=len(request.output_token_ids),
+            sampling_seed=request.sampling_seed,
+            prompt_token_ids=request.prompt_token_ids if penalties else None,
+            output_token_ids=list(request.output_token_ids) if penalties else None,
+        )
+        request.scheduled_step = self._step_id
+        request.last_chunk_was_decode = decode
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
+
+    def _grow(self, request: Request, num_blocks: int, *, may_preempt_self: bool) -> bool:
+        """Give `request` more blocks, preempting lower-ranked requests while the pool is short.
+
+        When `request` itself ranks lowest, a decode is preempted (`may_preempt_self`) and a
+        prefill simply waits; a request alone in a pool too small for it ends with "length".
+        """
+        bm = self.block_manager
+        while not bm.can_allocate(num_blocks):
+            victim = self._pick_victim(exclude=request)
+            if victim is None or preemption_key(victim) < preemption_key(request):
+                if victim is None and may_preempt_self:
+                    self._pending_outputs.append(
+                        self._end(request, "length", RequestState.FINISHED)
+                    )
+                elif may_preempt_self:
+                    self._preempt(request)
+                return False
+            self._preempt(victim)
+        request.block_ids.extend(bm.allocate(num_blocks))
+        return True
+
+    def _pick_victim(self, exclude: Request) -> Request | None:
+        candidates = [
+            r for r in (*self.running.values(), *self.paused.values())
+            if r is not exclude and r.block_ids
+        ]
+        return max(candidates, key=preemption_key) if candidates else None
+
+    def _admit(self, request: Request, now: float) -> bool:
+        """Move the policy's pick from the queue into the running set with its first chunk."""
+        bm = self.block_manager
+        cfg = self.config
+        if cfg.admission == "reserve":
+            need = bm.blocks_for(request.max_total_tokens)
+            if self._reserved_blocks + need > bm.num_total_blocks:
+                return False
+        hits = self._match_prefix(request)
+        for block in hits:
+            bm.acquire_cached(block)
+        start = len(hits) * bm.block_size
+        if not bm.can_allocate(bm.blocks_for(start + 1) - len(hits)):
+            bm.free(hits)
+            return False
+        self.waiting.remove(request)
+        tenant = self.tenants[request.tenant]
+        tenant.waiting -= 1
+        tenant.running += 1
+        if cfg.admission == "reserve":
+            request.reserved_blocks = bm.blocks_for(request.max_total_tokens)
+            self._reserved_blocks += request.reserved_blocks
+        request.block_ids = hits
+        request.num_computed_tokens = start
+        if request.max_computed_tokens == 0:
+            request.num_cached_tokens = start
+            tenant.cached_tokens += start
+        request.state = PREFILLING
+        self.running[request.request_id] = request
+        self.prefilling[request.request_id] = request
+        self._schedule_chunk(request, may_preempt=False)
+        return True
+
+    def _match_prefix(self, request: Request) -> list[int]:
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return []
+        hits = []
+        for index in range((len(request.all_token_ids) - 1) // bm.block_size):
+            bm.cache_queries += 1
+            block = bm.lookup(self._block_hash(request, index))
+            if block is None:
+                break
+            bm.cache_hits += 1
+            hits.append(block)
+        return hits
+
+    def _block_hash(self, request: Request, index: int) -> bytes:
+        hashes = request.block_hashes
+        size = self.block_manager.block_size
+        tokens = request.all_token_ids
+        while len(hashes) <= index:
+            j = len(hashes)
+            hashes.append(hash_block(hashes[j - 1] if j else None, tokens[j * size : (j + 1) * size]))
+        return hashes[index]
+
+    def _admission_allowed(self) -> bool:
+        usage = self.block_manager.usage
+        cfg = self.config
+        if self._admission_open and usage >= cfg.kv_high_watermark and self.running:
+            self._admission_open = False
+        elif not self._admission_open and (usage < cfg.kv_low_watermark or not self.running):
+            self._admission_open = True
+        return self._admission_open
+
+    def _tenant_may_run(self, tenant: TenantState) -> bool:
+        limit = tenant.config.max_running
+        return limit is None or tenant.running < limit
+
+    # -- results --------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Apply one executed step: advance computed tokens, append samples, end what is done."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        now = self.clock()
+        bm = self.block_manager
+        caching = bm.enable_prefix_caching
+        size = bm.block_size
+        cost_p, cost_d = self.config.fair_prompt_cost, self.config.fair_output_cost
+        sampled = result.sampled
+        step_id = plan.step_id
+        for seq in plan.seqs:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.scheduled_step != step_id or not request.block_ids:
+                continue  # ended, preempted or requeued since it was planned
+            tenant = self.tenants[request.tenant]
+            start = seq.start_pos
+            end = start + len(seq.token_ids)
+            if not request.last_chunk_was_decode:
+                recomputed = max(0, min(end, request.max_computed_tokens) - start)
+                fresh = end - start - recomputed
+                request.num_recomputed_tokens += recomputed
+                tenant.recomputed_tokens += recomputed
+                request.num_prefill_tokens += fresh
+                tenant.prefill_tokens += fresh
+                charge = cost_p * fresh
+                tenant.service += charge
+                tenant.virtual_time += charge / tenant.config.weight
+            if end > request.num_computed_tokens:
+                request.num_computed_tokens = end
+            if end > request.max_computed_tokens:
+                request.max_computed_tokens = end
+            if caching and end // size > start // size:
+                for index in range(start // size, end // size):
+                    bm.register(request.block_ids[index], self._block_hash(request, index))
+            if not seq.sample:
+                if end >= len(request.all_token_ids):
+                    self._mark_decoding(request, now)
+                continue
+            token = sampled.get(seq.request_id)
+            if token is None:
+                outputs.append(self._end(request, "error", RequestState.FAILED))
+                continue
+            self._mark_decoding(request, now)
+            token_id = token.token_id
+            request.output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            request.num_decode_tokens += 1
+            tenant.decode_tokens += 1
+            tenant.service += cost_d
+            tenant.virtual_time += cost_d / tenant.config.weight
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            reason = None
+            if token_id in request.stop_ids:
+                reason = "stop"
+            elif (
+                len(request.output_token_ids) >= request.sampling.max_tokens
+                or len(request.all_token_ids) >= self.max_model_len
+            ):
+                reason = "length"
+            if reason is not None:
+                output = self._end(request, reason, RequestState.FINISHED)
+                output.new_token_ids = [token_id]
+            else:
+                output = RequestOutput(request.request_id, [token_id])
+            if request.sampling.logprobs is not None:
+                output.logprobs = [token]
+            outputs.append(output)
+        return outputs
+
+    def _mark_decoding(self, request: Request, now: float) -> None:
+        if request.state is PREFILLING:
+            request.state = DECODING
+            self.prefilling.pop(request.request_id, None)
+            request.prefill_done_time = now
+        elif request.state is PAUSED and request.resume_state is PREFILLING:
+            request.resume_state = DECODING
+            request.prefill_done_time = now

@@ -1,0 +1,178 @@
+"""State changes of the scheduler core that happen outside planning: end, preempt, pause, requeue.
+
+Every end state releases every block the request holds in the same call; that rule lives in
+`_end` and nowhere else. Mixed into `Scheduler` (see `core.py`), which owns the tables used here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sluice.actors.scheduler.plan import RequestOutput
+from sluice.actors.scheduler.policy import TenantState
+from sluice.actors.scheduler.request import FAILED_REASONS, Request, RequestState
+
+if TYPE_CHECKING:
+    from sluice.actors.scheduler.core import Scheduler
+
+WAITING, PREFILLING, DECODING = RequestState.WAITING, RequestState.PREFILLING, RequestState.DECODING
+PAUSED, PREEMPTED = RequestState.PAUSED, RequestState.PREEMPTED
+_HOLDING = (PREFILLING, DECODING)
+_RECENT_LIMIT = 1024
+
+
+class LifecycleMixin:
+    # -- public operations ------------------------------------------------------------------
+    def abort(self: Scheduler, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
+        """End a request that did not finish by itself; None if it is unknown or already ended."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        state = RequestState.FAILED if reason in FAILED_REASONS else RequestState.CANCELLED
+        return self._end(request, reason, state)
+
+    def finish(self: Scheduler, request_id: str, reason: str = "stop") -> RequestOutput | None:
+        """End a request that the engine found complete (a stop string matched)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        return self._end(request, reason, RequestState.FINISHED)
+
+    def pause(self: Scheduler, request_id: str) -> None:
+        """Stop stepping a request (its client is slow); KV it holds is kept."""
+        request = self.requests.get(request_id)
+        if request is None or request.state is PAUSED:
+            return
+        self._leave_current_place(request)
+        request.resume_state = request.state
+        request.state = PAUSED
+        self.paused[request_id] = request
+
+    def resume(self: Scheduler, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None or request.state is not PAUSED:
+            return
+        del self.paused[request_id]
+        state = request.resume_state or WAITING
+        request.resume_state = None
+        request.state = state
+        if state in _HOLDING:
+            self.running[request_id] = request
+            self.tenants[request.tenant].running += 1
+            if state is PREFILLING:
+                self.prefilling[request_id] = request
+        else:
+            self._enqueue(request)
+
+    def requeue_all(self: Scheduler) -> list[str]:
+        """The KV pool is gone: everyone holding KV goes back to the queue to recompute."""
+        requeued = []
+        for request in [*self.running.values(), *self.paused.values()]:
+            if not request.block_ids:
+                continue
+            requeued.append(request.request_id)
+            self._drop_kv(request, free=False)
+            if request.state is PAUSED:
+                request.resume_state = PREEMPTED
+            else:
+                self._leave_current_place(request)
+                request.state = PREEMPTED
+                self._enqueue(request)
+        self.block_manager.reset()
+        self._admission_open = True
+        return requeued
+
+    def has_unfinished(self: Scheduler) -> bool:
+        return bool(self.requests)
+
+    def get_request(self: Scheduler, request_id: str) -> Request | None:
+        """A live request, or one of the recently ended ones."""
+        return self.requests.get(request_id) or self.recently_ended.get(request_id)
+
+    # -- internals --------------------------------------------------------------------------
+    def _tenant(self: Scheduler, name: str) -> TenantState:
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            tenant = self.tenants[name] = TenantState(name, self.config.tenant(name))
+        return tenant
+
+    def _activate(self: Scheduler, tenant: TenantState) -> None:
+        if tenant.live == 0:
+            active = [t for t in self.tenants.values() if t.live > 0]
+            self.policy.on_tenant_active(tenant, active)
+        tenant.live += 1
+
+    def _enqueue(self: Scheduler, request: Request) -> None:
+        self.waiting.push(request)
+        self.tenants[request.tenant].waiting += 1
+
+    def _leave_current_place(self: Scheduler, request: Request) -> None:
+        """Take a request out of whichever queue or table holds it (not out of `requests`)."""
+        rid = request.request_id
+        if request.in_queue:
+            self.waiting.remove(request)
+            self.tenants[request.tenant].waiting -= 1
+        elif request.state is PAUSED:
+            self.paused.pop(rid, None)
+        elif rid in self.running:
+            del self.running[rid]
+            self.prefilling.pop(rid, None)
+            self.tenants[request.tenant].running -= 1
+
+    def _drop_kv(self: Scheduler, request: Request, *, free: bool = True) -> None:
+        """Release the request's blocks and forget what was computed into them."""
+        if free and request.block_ids:
+            self.block_manager.free(request.block_ids)
+        request.block_ids = []  # a new list: plans already handed out keep their tables
+        request.num_computed_tokens = 0
+        self._reserved_blocks -= request.reserved_blocks
+        request.reserved_blocks = 0
+        seq = self._seqs.pop(request.request_id, None)
+        if seq is not None:  # planned earlier in this very iteration: give its budget back
+            if request.last_chunk_was_decode:
+                self._budget += self.config.decode_weight
+            else:
+                self._budget += self.config.prefill_weight * len(seq.token_ids)
+        request.scheduled_step = -1
+
+    def _preempt(self: Scheduler, request: Request) -> None:
+        """Release a running (or paused) request's KV; it recomputes when admitted again."""
+        self._drop_kv(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.tenants[request.tenant].preemptions += 1
+        if request.state is PAUSED:
+            request.resume_state = PREEMPTED
+            return
+        self._leave_current_place(request)
+        request.state = PREEMPTED
+        self._enqueue(request)
+
+    def _end(self: Scheduler, request: Request, reason: str, state: RequestState) -> RequestOutput:
+        """The only way out: release every block now, leave every table, report usage."""
+        self._leave_current_place(request)
+        computed = request.num_computed_tokens
+        self._drop_kv(request)
+        request.num_computed_tokens = computed  # kept for inspection of the ended request
+        rid = request.request_id
+        del self.requests[rid]
+        tenant = self.tenants[request.tenant]
+        tenant.live -= 1
+        tenant.finished += 1
+        request.state = state
+        request.finish_reason = reason
+        request.finish_time = self.clock()
+        self.ended_by_reason[reason] = self.ended_by_reason.get(reason, 0) + 1
+        self.recently_ended[rid] = request
+        if len(self.recently_ended) > _RECENT_LIMIT:
+            self.recently_ended.popitem(last=False)
+        return RequestOutput(
+            request_id=rid,
+            new_token_ids=[],
+            finished=True,
+            finish_reason=reason,
+            prompt_tokens=len(request.prompt_token_ids),
+            cached_tokens=request.num_cached_tokens,
+            preemptions=request.num_preemptions,
+            recomputed_tokens=request.num_recomputed_tokens,
+        )

@@ -1,0 +1,101 @@
+"""The queue of requests waiting for admission (new ones and preempted ones).
+
+One heap per tenant, ordered by the policy's key, plus one heap by arrival for aging. Removal
+is lazy: a request's `queue_epoch` changes when it leaves, which makes its old entries stale;
+stale entries are dropped when they reach a heap's top. Picking the next request therefore
+costs O(tenants + log n), never a scan of the queue.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+
+from sluice.actors.scheduler.policy import Policy, TenantState
+from sluice.actors.scheduler.request import Request
+
+_Entry = tuple  # (key, tie-breaker, epoch, request)
+
+
+class WaitQueue:
+    def __init__(self, policy: Policy, max_wait: float):
+        self.policy = policy
+        self.max_wait = max_wait
+        self._heaps: dict[str, list[_Entry]] = {}
+        self._by_arrival: list[_Entry] = []
+        self._tie = itertools.count()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __contains__(self, request: Request) -> bool:
+        return request.in_queue
+
+    def push(self, request: Request) -> None:
+        if request.in_queue:
+            raise AssertionError(f"request {request.request_id} queued twice")
+        request.queue_epoch += 1
+        request.in_queue = True
+        tie = next(self._tie)
+        heap = self._heaps.setdefault(request.tenant, [])
+        heapq.heappush(heap, (self.policy.key(request), tie, request.queue_epoch, request))
+        if self.max_wait != float("inf"):
+            heapq.heappush(self._by_arrival, (request.arrival_time, tie, request.queue_epoch, request))
+        self._size += 1
+
+    def remove(self, request: Request) -> None:
+        if not request.in_queue:
+            raise AssertionError(f"request {request.request_id} is not queued")
+        request.in_queue = False
+        request.queue_epoch += 1
+        self._size -= 1
+
+    def select(
+        self,
+        now: float,
+        tenants: dict[str, TenantState],
+        eligible: Callable[[TenantState], bool],
+    ) -> Request | None:
+        """The request to admit next (left in the queue), or None when nobody eligible waits."""
+        if self._size == 0:
+            return None
+        overdue = self._top(self._by_arrival)
+        if overdue is not None and now - overdue.arrival_time >= self.max_wait:
+            if eligible(tenants[overdue.tenant]):
+                return overdue
+        tops = []
+        for name, heap in self._heaps.items():
+            tenant = tenants[name]
+            if tenant.waiting and eligible(tenant):
+                top = self._top_entry(heap)
+                if top is not None:
+                    tops.append((tenant, top[0]))
+        if not tops:
+            return None
+        tenant = self.policy.pick_tenant(tops)
+        return self._top_entry(self._heaps[tenant.name])[3]
+
+    def requests(self) -> Iterator[Request]:
+        """Every queued request, in no particular order (for checks and snapshots)."""
+        seen = set()
+        for heap in self._heaps.values():
+            for _, _, epoch, request in heap:
+                if request.in_queue and request.queue_epoch == epoch and id(request) not in seen:
+                    seen.add(id(request))
+                    yield request
+
+    def _top(self, heap: list[_Entry]) -> Request | None:
+        entry = self._top_entry(heap)
+        return None if entry is None else entry[3]
+
+    @staticmethod
+    def _top_entry(heap: list[_Entry]) -> _Entry | None:
+        while heap:
+            entry = heap[0]
+            request = entry[3]
+            if request.in_queue and request.queue_epoch == entry[2]:
+                return entry
+            heapq.heappop(heap)
+        return None

@@ -1,0 +1,43 @@
+"""Helpers for driving the scheduler core without a model (imported by the tests here)."""
+
+from __future__ import annotations
+
+from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
+from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepPlan, StepResult
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sample_all(plan: StepPlan, token: int = 7) -> StepResult:
+    """A result that samples `token` for every sequence the plan asks to sample."""
+    return StepResult(plan.step_id, {s.request_id: SampledToken(token) for s in plan.seqs if s.sample})
+
+
+def step(sched: Scheduler, token: int = 7, *, check: bool = True):
+    plan = sched.schedule()
+    outputs = sched.update(plan, sample_all(plan, token))
+    if check:
+        sched.check_invariants()
+    return plan, outputs
+
+
+def req(rid: str, prompt_len: int = 8, max_tokens: int = 4, *, tenant: str = "default",
+        priority: int = 0, arrival: float | None = None, first: int = 1000, **sampling) -> Request:
+    """A request whose prompt is `prompt_len` distinct tokens starting at `first`."""
+    return Request(rid, list(range(first, first + prompt_len)),
+                   SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling),
+                   tenant=tenant, priority=priority, arrival_time=arrival)
+
+
+def make_scheduler(clock: FakeClock | None = None, **settings) -> Scheduler:
+    eos = settings.pop("eos_token_ids", frozenset())
+    max_model_len = settings.pop("max_model_len", 2048)
+    settings.setdefault("policy", "fcfs")
+    return Scheduler(SchedulerConfig(**settings), eos_token_ids=eos,
+                     max_model_len=max_model_len, clock=clock or FakeClock())
