@@ -70,6 +70,7 @@ class Scheduler(LifecycleMixin, InspectionMixin):
         self._seqs: dict[str, ScheduledSeq] = {}
         # outputs of requests that ended while planning (a pool too small for one request)
         self._pending_outputs: list[RequestOutput] = []
+        self._preemptions_at_start = 0
 
     # -- admission ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -164,6 +165,7 @@ class Scheduler(LifecycleMixin, InspectionMixin):
         cfg = self.config
         self._seqs = {}
         self._budget = float(cfg.token_budget)
+        self._preemptions_at_start = self.num_preemptions
         if cfg.order == "decode_first":
             self._schedule_decodes()
             self._schedule_prefills(now)
@@ -210,6 +212,8 @@ class Scheduler(LifecycleMixin, InspectionMixin):
             and len(self.running) < cfg.max_running
             and self._budget >= w_p
             and len(self.waiting)
+            # a step that had to preempt has no KV to spare for newcomers
+            and self.num_preemptions == self._preemptions_at_start
             and self._admission_allowed()
         ):
             request = self.waiting.select(now, self.tenants, self._tenant_may_run)

@@ -1,0 +1,236 @@
+"""The Scheduler actor: a thin shell that drives the scheduler core with messages.
+
+It admits what the Tokenizer sends, keeps at most one `StepPlan` in flight at the Executor,
+applies each `StepResult` and hands the outputs back to the Tokenizer. Releases (cancel,
+timeout, client gone, errors) are applied at once, so their KV is free in the same
+iteration; pauses and resumes wait for the step in flight. `WorkerLost` voids the step in
+flight and sends every request holding KV back to the queue to recompute.
+
+It also answers status queries: the numbers `sluice status` prints.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import structlog
+import trio
+
+from sluice.actors.base import Actor, Handler, Inbox
+from sluice.actors.scheduler import Rejected, Request, Scheduler
+from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult
+from sluice.ipc import messages as m
+
+log = structlog.get_logger("sluice.scheduler")
+
+REJECT_CODES = {
+    "invalid": m.RejectCode.INVALID,
+    "too_long": m.RejectCode.TOO_LONG,
+    "quota": m.RejectCode.QUOTA,
+    "overloaded": m.RejectCode.OVERLOADED,
+}
+REASON_NAMES = {reason: reason.name.lower() for reason in m.FinishReason}
+_TOMBSTONES = 4096  # released-before-admitted ids remembered, oldest forgotten first
+
+
+class SchedulerActor(Actor):
+    name = "scheduler"
+
+    def __init__(
+        self,
+        make_core: Callable[[], Scheduler],
+        *,
+        tokenizer: Inbox,
+        executor: Inbox,
+        worker_ready: bool = False,
+        inbox: Inbox | None = None,
+    ):
+        super().__init__(inbox=inbox)
+        self.make_core = make_core
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.initial_worker_ready = worker_ready
+        self.counters = {"accepted": 0, "finished": 0, "cancelled": 0, "rejected": 0}
+        self.worker_state = "ready" if worker_ready else "starting"
+        self.worker_restarts = 0
+        self.draining = False
+
+    def reset(self) -> None:
+        self.core = self.make_core()
+        self.in_flight: StepPlan | None = None
+        self.deferred: list[m.Pause | m.Resume] = []
+        self.tombstones: OrderedDict[str, None] = OrderedDict()
+        self.worker_ready = self.initial_worker_ready
+
+    def handlers(self) -> dict[type, Handler]:
+        return {
+            m.Admit: self.on_admit,
+            m.Release: self.on_release,
+            m.Finish: self.on_finish,
+            m.Pause: self.on_pause_or_resume,
+            m.Resume: self.on_pause_or_resume,
+            StepResult: self.on_step_result,
+            m.WorkerLost: self.on_worker_lost,
+            m.WorkerReady: self.on_worker_ready,
+            m.Drain: self.on_drain,
+            m.Ask: self.on_ask,
+        }
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def on_admit(self, msg: m.Admit) -> None:
+        if self.tombstones.pop(msg.request_id, "absent") is None:
+            self._emit([RequestOutput(msg.request_id, [], finished=True,
+                                      finish_reason="cancelled")])
+            return
+        if self.draining:
+            self.counters["rejected"] += 1
+            self.tokenizer.put(m.Refused(msg.request_id, m.RejectCode.DRAINING,
+                                         "the daemon is draining"))
+            return
+        request = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
+                          tenant=msg.tenant, priority=msg.priority)
+        try:
+            self.core.add_request(request)
+        except Rejected as exc:
+            self.counters["rejected"] += 1
+            field = exc.message.split(":", 1)[0] if ":" in exc.message else ""
+            self.tokenizer.put(m.Refused(msg.request_id,
+                                         REJECT_CODES.get(exc.code, m.RejectCode.INVALID),
+                                         exc.message, field))
+            return
+        self.counters["accepted"] += 1
+        self.tokenizer.put(m.Admitted(msg.request_id, len(msg.prompt_ids)))
+        self._maybe_step()
+
+    async def on_release(self, msg: m.Release) -> None:
+        outputs = []
+        for rid in msg.request_ids:
+            out = self.core.abort(rid, reason=REASON_NAMES[msg.reason])
+            if out is None:
+                self._tombstone(rid)
+            else:
+                outputs.append(out)
+        self._emit(outputs)
+        self._maybe_step()
+
+    async def on_finish(self, msg: m.Finish) -> None:
+        out = self.core.finish(msg.request_id, reason="stop")
+        if out is not None:
+            self.counters["finished"] += 1  # the tokenizer already sent the Finished
+        self._maybe_step()
+
+    async def on_pause_or_resume(self, msg: m.Pause | m.Resume) -> None:
+        if self.in_flight is not None:
+            self.deferred.append(msg)
+            return
+        self._apply_pause_or_resume(msg)
+        self._maybe_step()
+
+    def _apply_pause_or_resume(self, msg: m.Pause | m.Resume) -> None:
+        if isinstance(msg, m.Pause):
+            self.core.pause(msg.request_id)
+        else:
+            self.core.resume(msg.request_id)
+
+    # -- steps --------------------------------------------------------------------------------
+
+    async def on_step_result(self, result: StepResult) -> None:
+        plan = self.in_flight
+        if plan is None or plan.step_id != result.step_id:
+            return  # a step voided by WorkerLost
+        self.in_flight = None
+        self._emit(self.core.update(plan, result))
+        self._after_step()
+
+    async def on_worker_lost(self, msg: m.WorkerLost) -> None:
+        self.worker_ready = False
+        self.worker_state = "restarting"
+        self.in_flight = None
+        requeued = self.core.requeue_all()
+        log.warning("worker lost", reason=msg.reason, requeued=len(requeued))
+        self._after_step()
+
+    async def on_worker_ready(self, msg: m.WorkerReady) -> None:
+        self.worker_ready = True
+        self.worker_state = "ready"
+        self.worker_restarts = msg.restarts
+        self._maybe_step()
+
+    def _after_step(self) -> None:
+        deferred, self.deferred = self.deferred, []
+        for msg in deferred:
+            self._apply_pause_or_resume(msg)
+        self._maybe_step()
+
+    def _maybe_step(self) -> None:
+        while self.in_flight is None and self.worker_ready and self.core.has_unfinished():
+            plan = self.core.schedule()
+            if plan.seqs:
+                self.in_flight = plan
+                self.executor.put(plan)
+                return
+            # nothing to run (everything paused or waiting for KV); flush ended requests
+            outputs = self.core.update(plan, StepResult(plan.step_id))
+            self._emit(outputs)
+            if not outputs:
+                return
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        for out in outputs:
+            if out.finished:
+                key = "cancelled" if out.finish_reason in ("cancelled", "timeout") else "finished"
+                self.counters[key] += 1
+        self.tokenizer.put(m.StepOutputs(tuple(outputs)))
+
+    def _tombstone(self, rid: str) -> None:
+        self.tombstones[rid] = None
+        while len(self.tombstones) > _TOMBSTONES:
+            self.tombstones.popitem(last=False)
+
+    # -- operations ---------------------------------------------------------------------------
+
+    async def on_drain(self, msg: m.Drain) -> None:
+        self.draining = True
+
+    async def on_ask(self, msg: m.Ask) -> None:
+        msg.reply_to.put(m.Snapshot(self.report(check=getattr(msg.query, "check_invariants", False))))
+
+    def report(self, *, check: bool = False) -> m.StatusReport:
+        core = self.core
+        bm = core.block_manager
+        errors: tuple[str, ...] = ()
+        if check:
+            try:
+                core.check_invariants()
+            except AssertionError as exc:
+                errors = (str(exc),)
+        waiting = len(core.requests) - len(core.running) - len(core.paused)
+        state = "draining" if self.draining else "serving"
+        return m.StatusReport(
+            state=state,
+            worker=m.WorkerStatus(self.worker_state, self.worker_restarts),
+            kv=m.KVStatus(bm.num_total_blocks, bm.num_free_blocks, bm.num_used_blocks,
+                          bm.num_cached_blocks),
+            requests=m.RequestCounts(waiting, len(core.running), len(core.paused)),
+            counters=m.Counters(preemptions=core.num_preemptions, **self.counters),
+            invariant_errors=errors,
+        )
+
+    @property
+    def idle(self) -> bool:
+        return not self.core.has_unfinished() and self.in_flight is None
+
+    async def on_crash(self, exc: BaseException) -> None:
+        rids = list(self.core.requests)
+        self._emit([RequestOutput(rid, [], finished=True, finish_reason="error") for rid in rids])
+        log.error("scheduler lost its requests", count=len(rids))
+
+
+async def wait_idle(actor: SchedulerActor, poll: float = 0.05) -> None:
+    """Return once the scheduler has no request left (used by drain)."""
+    while not actor.idle:
+        await trio.sleep(poll)
