@@ -53,10 +53,10 @@ class Actor:
 
     name = "actor"
 
-    def __init__(self, name: str | None = None):
+    def __init__(self, name: str | None = None, *, inbox: Inbox | None = None):
         if name is not None:
             self.name = name
-        self.inbox = Inbox(self.name)
+        self.inbox = inbox or Inbox(self.name)
         self.running = False
 
     def handlers(self) -> dict[type, Handler]:
@@ -71,21 +71,29 @@ class Actor:
     async def on_crash(self, exc: BaseException) -> None:
         """Called by the supervisor with the crashed state still in place."""
 
+    def teardown(self) -> None:
+        """Release what `reset` acquired (sockets, processes); runs however `run` ends."""
+
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.reset()
         table = self.handlers()
-        async with trio.open_nursery() as nursery:
-            await self.background(nursery)
-            self.running = True
-            task_status.started()
-            try:
-                while True:
-                    msg = await self.inbox.get()
-                    handler = table.get(type(msg))
-                    if handler is None:
-                        log.warning("unhandled message", actor=self.name, type=type(msg).__name__)
-                        continue
-                    await handler(msg)
-            finally:
-                self.running = False
-                nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                await self.background(nursery)
+                self.running = True
+                task_status.started()
+                try:
+                    while True:
+                        msg = await self.inbox.get()
+                        handler = table.get(type(msg))
+                        if handler is None:
+                            log.warning(
+                                "unhandled message", actor=self.name, type=type(msg).__name__
+                            )
+                            continue
+                        await handler(msg)
+                finally:
+                    self.running = False
+                    nursery.cancel_scope.cancel()
+        finally:
+            self.teardown()

@@ -167,7 +167,6 @@ class Finished:
     reason: FinishReason
     usage: Usage = Usage()
     timings: Timings = Timings()
-    text: str = ""  # held-back text released at the end (never a stop string)
 
 
 @dataclass(frozen=True)
@@ -321,3 +320,83 @@ class Reconcile:
 @dataclass(frozen=True)
 class Recover:
     pass
+
+
+@dataclass(frozen=True)
+class Encode:
+    """Stream -> Tokenizer: a client's Generate, to validate, tokenize and admit."""
+
+    generate: Generate
+    request_id: str  # daemon-wide id ("<connection hex>/<client request id>")
+    connection: bytes
+    reply_to: Any  # the Stream actor's inbox
+    arrival: float  # monotonic
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """Scheduler -> Tokenizer: the core accepted the request."""
+
+    request_id: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Scheduler -> Tokenizer: the core refused the request (too long, quota, overloaded...)."""
+
+    request_id: str
+    code: RejectCode
+    message: str
+    field: str = ""
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """Scheduler -> Tokenizer: what one iteration produced (the core's RequestOutputs)."""
+
+    outputs: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Tokenizer -> Scheduler: a stop string matched; end the request with `stop`."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Tokenizer -> Stream: wire messages for one connection, in order."""
+
+    messages: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Outbound:
+    """Stream -> Gateway: an encoded frame for one client."""
+
+    connection: bytes
+    frame: bytes
+
+
+@dataclass(frozen=True)
+class StreamClosed:
+    """Stream -> Gateway: the connection is gone and its stream has released everything."""
+
+    connection: bytes
+
+
+@dataclass(frozen=True)
+class FailAll:
+    """Gateway -> Stream: end every request of the connection with an error, then close."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A query with a reply address; the answer is put in `reply_to` as `Snapshot`."""
+
+    query: Any
+    reply_to: Any

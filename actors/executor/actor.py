@@ -1,0 +1,224 @@
+"""The Executor actor: owns the worker process and forwards step plans to it.
+
+It spawns the worker, waits for its `hello`, verifies it with a known-answer forward (the
+first worker's answer is the known one; every later worker must give the same), and only
+then reports `WorkerReady`. When the process exits, or a step takes longer than
+`step_timeout`, or the worker reports an error, the process is killed and the Scheduler is
+told `WorkerLost`; a new worker is started with exponential backoff. Each worker gets its
+own ipc:// endpoint, so no late reply from a dead worker can be taken for a live one's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import structlog
+import trio
+import zmq
+
+from sluice.actors.base import Actor, Handler, Inbox
+from sluice.actors.executor.worker import decode_result, encode_plan
+from sluice.actors.scheduler.plan import StepPlan
+from sluice.ipc import messages as m
+from sluice.ipc.sockets import Socket
+
+log = structlog.get_logger("sluice.executor")
+
+
+class WorkerStartError(Exception):
+    """A worker would not start or failed its health check too many times in a row."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    model: str | None = None  # path, or None for the embedded model
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_blocks: int | None = None  # None sizes the pool from memory
+    block_size: int = 16
+    max_model_len: int | None = None
+    threads: int | None = None  # torch threads in the worker
+    runtime_dir: str | None = None  # where the worker's ipc socket lives
+    startup_timeout: float = 300.0  # seconds for weights + pool + health check
+    step_timeout: float = 300.0  # a step running longer means a hung worker
+    max_failed_starts: int = 5
+    backoff_initial: float = 0.2
+    backoff_max: float = 5.0
+
+
+@dataclass(frozen=True)
+class WorkerFacts:
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+
+
+class Executor(Actor):
+    name = "executor"
+
+    def __init__(self, spec: WorkerSpec, *, scheduler: Inbox):
+        super().__init__()
+        self.spec = spec
+        self.scheduler = scheduler
+        self.facts: WorkerFacts | None = None
+        self.known_answer: int | None = None
+        self.restarts = 0
+        self.pid: int | None = None
+        self.state = "starting"
+        self._serial = itertools.count()
+        self._runtime = Path(spec.runtime_dir or tempfile.mkdtemp(prefix="sluice-worker-"))
+
+    def reset(self) -> None:
+        self.sock: Socket | None = None
+        self.process: trio.Process | None = None
+        self.step_started: float | None = None
+
+    def handlers(self) -> dict[type, Handler]:
+        return {StepPlan: self.on_plan}
+
+    async def background(self, nursery: trio.Nursery) -> None:
+        await nursery.start(self._keep_worker)
+
+    async def on_plan(self, plan: StepPlan) -> None:
+        if self.sock is None or self.state != "ready":
+            return  # the scheduler learns of the lost worker and requeues
+        self.step_started = trio.current_time()
+        try:
+            await self.sock.send(encode_plan(plan))
+        except (trio.ClosedResourceError, zmq.ZMQError):
+            pass  # the worker is going away; the monitor reports it
+
+    def kill_worker(self) -> None:
+        """Kill the current worker process (fault tests and hung steps use this)."""
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+
+    async def _keep_worker(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        failed_starts = 0
+        backoff = self.spec.backoff_initial
+        first = True
+        while True:
+            healthy = False
+            reason = "worker stopped"
+            try:
+                async with trio.open_nursery() as nursery:
+                    endpoint = f"ipc://{self._runtime}/worker-{os.getpid()}-{next(self._serial)}"
+                    self.sock = Socket(zmq.PAIR)
+                    self.sock.bind(endpoint)
+                    self.process = await trio.lowlevel.open_process(self._command(endpoint))
+                    self.pid = self.process.pid
+                    with trio.fail_after(self.spec.startup_timeout):
+                        await self._handshake()
+                    healthy = True
+                    failed_starts, backoff = 0, self.spec.backoff_initial
+                    self.state = "ready"
+                    self.scheduler.put(m.WorkerReady(self.restarts))
+                    if first:
+                        first = False
+                        task_status.started()
+                    nursery.start_soon(self._receive_results, nursery.cancel_scope)
+                    nursery.start_soon(self._watch_steps)
+                    await self.process.wait()
+                    reason = f"worker exited with {self.process.returncode}"
+                    nursery.cancel_scope.cancel()
+            except* (trio.TooSlowError, WorkerStartError, zmq.ZMQError, OSError) as group:
+                reason = f"worker failed: {group.exceptions[0]!r}"
+            finally:
+                await self._stop_process()
+            log.warning("worker lost", reason=reason, restarts=self.restarts)
+            self.state = "restarting"
+            if healthy or not first:
+                self.scheduler.put(m.WorkerLost(reason))
+            if not healthy:
+                failed_starts += 1
+                if failed_starts >= self.spec.max_failed_starts:
+                    self.state = "failed"
+                    raise WorkerStartError(reason)
+            self.restarts += 1
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, self.spec.backoff_max)
+
+    def _command(self, endpoint: str) -> list[str]:
+        spec = self.spec
+        cmd = [sys.executable, "-m", "sluice.actors.executor.worker", "--endpoint", endpoint,
+               "--dtype", spec.dtype, "--device", spec.device, "--block-size", str(spec.block_size)]
+        if spec.model is not None:
+            cmd += ["--model", str(spec.model)]
+        if spec.num_blocks is not None:
+            cmd += ["--num-blocks", str(spec.num_blocks)]
+        if spec.max_model_len is not None:
+            cmd += ["--max-model-len", str(spec.max_model_len)]
+        if spec.threads is not None:
+            cmd += ["--threads", str(spec.threads)]
+        return cmd
+
+    async def _handshake(self) -> None:
+        hello = await self._receive()
+        if hello.get("op") != "hello":
+            raise WorkerStartError(f"expected hello, got {hello.get('op')!r}")
+        facts = WorkerFacts(hello["num_blocks"], hello["block_size"], hello["max_model_len"],
+                            hello["vocab_size"])
+        if self.facts is not None and facts != self.facts:
+            raise WorkerStartError(f"worker came back different: {facts} != {self.facts}")
+        await self.sock.send(msgpack.packb({"op": "health"}))
+        answer = await self._receive()
+        if answer.get("op") != "health":
+            raise WorkerStartError(f"health check failed: {answer.get('message', answer)}")
+        if self.known_answer is None:
+            self.known_answer = answer["token"]
+        elif answer["token"] != self.known_answer:
+            raise WorkerStartError(
+                f"health check answered {answer['token']}, expected {self.known_answer}"
+            )
+        self.facts = facts
+
+    async def _receive(self) -> dict[str, Any]:
+        return msgpack.unpackb(await self.sock.recv(), strict_map_key=False)
+
+    async def _receive_results(self, scope: trio.CancelScope) -> None:
+        while True:
+            reply = await self._receive()
+            if reply.get("op") == "result":
+                self.step_started = None
+                self.scheduler.put(decode_result(reply))
+            else:
+                log.error("worker reported a failure", message=reply.get("message"))
+                self.kill_worker()
+                return
+
+    async def _watch_steps(self) -> None:
+        while True:
+            await trio.sleep(min(1.0, self.spec.step_timeout / 4))
+            started = self.step_started
+            if started is not None and trio.current_time() - started > self.spec.step_timeout:
+                log.error("worker step timed out", seconds=self.spec.step_timeout)
+                self.kill_worker()
+                return
+
+    async def _stop_process(self) -> None:
+        self.state = "restarting"
+        self.step_started = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        process, self.process = self.process, None
+        if process is not None:
+            with trio.CancelScope(shield=True):
+                if process.returncode is None:
+                    process.kill()
+                with trio.move_on_after(10):
+                    await process.wait()
+
+    def teardown(self) -> None:
+        self.kill_worker()
+
+    async def on_crash(self, exc: BaseException) -> None:
+        self.scheduler.put(m.WorkerLost(f"executor crashed: {type(exc).__name__}"))

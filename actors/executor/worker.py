@@ -1,0 +1,145 @@
+"""The worker process: the model, its paged KV pool and the sampler, behind one PAIR socket.
+
+Started by the Executor actor as `python -m sluice.actors.executor.worker --endpoint ...`.
+It connects, builds a `ModelRunner`, says `hello` with the facts the scheduler needs, then
+serves requests one at a time: `step` (a StepPlan -> a StepResult), `health` (a known-answer
+forward on a fresh pool), `stop`. It exits by itself when its parent goes away.
+
+The plan/result encoding used on this socket lives here too, so both ends share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from typing import Any
+
+import msgpack
+
+from sluice.actors.scheduler.plan import (
+    SampledToken,
+    SamplingParams,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
+
+# the fixed forward of the health check: a short greedy prompt in block 0 of a fresh pool
+HEALTH_PROMPT = (1, 504, 3458, 282, 4649, 314, 2, 28, 19)
+HEALTH_REQUEST = "__health__"
+
+
+# -- encoding shared with the Executor actor -------------------------------------------------
+
+
+def encode_plan(plan: StepPlan) -> bytes:
+    seqs = [
+        [s.request_id, s.token_ids, s.start_pos, s.block_table, s.sample,
+         dataclasses.asdict(s.sampling), s.num_generated, s.sampling_seed,
+         s.prompt_token_ids, s.output_token_ids]
+        for s in plan.seqs
+    ]  # fmt: skip
+    return msgpack.packb({"op": "step", "step_id": plan.step_id, "seqs": seqs})
+
+
+def decode_plan(msg: dict[str, Any]) -> StepPlan:
+    seqs = []
+    for rid, tokens, start, table, sample, sampling, generated, seed, prompt, output in msg["seqs"]:
+        seqs.append(ScheduledSeq(rid, tokens, start, table, sample,
+                                 SamplingParams.from_dict(sampling), generated, seed,
+                                 prompt, output))
+    return StepPlan(msg["step_id"], seqs)
+
+
+def encode_result(result: StepResult) -> bytes:
+    sampled = {
+        rid: [t.token_id, t.logprob, t.top_logprobs] for rid, t in result.sampled.items()
+    }
+    return msgpack.packb({"op": "result", "step_id": result.step_id, "sampled": sampled,
+                         "forward_seconds": result.forward_seconds})
+
+
+def decode_result(msg: dict[str, Any]) -> StepResult:
+    sampled = {}
+    for rid, (token, logprob, top) in msg["sampled"].items():
+        sampled[rid] = SampledToken(token, logprob, [tuple(p) for p in top] if top else None)
+    return StepResult(msg["step_id"], sampled, msg["forward_seconds"])
+
+
+def health_plan(vocab_size: int) -> StepPlan:
+    tokens = [t % vocab_size for t in HEALTH_PROMPT]
+    seq = ScheduledSeq(HEALTH_REQUEST, tokens, 0, [0], True, SamplingParams(temperature=0.0))
+    return StepPlan(0, [seq])
+
+
+# -- the process ------------------------------------------------------------------------------
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sluice-worker")
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    import torch
+    import zmq
+
+    from sluice.actors.executor.runner import ModelRunner
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    parent = os.getppid()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(args.endpoint)
+    runner = ModelRunner(args.model, dtype=args.dtype, device=args.device,
+                         num_blocks=args.num_blocks, block_size=args.block_size,
+                         max_model_len=args.max_model_len)
+    sock.send(msgpack.packb({
+        "op": "hello", "pid": os.getpid(), "num_blocks": runner.num_blocks,
+        "block_size": runner.block_size, "max_model_len": runner.max_model_len,
+        "vocab_size": runner.config.vocab_size,
+    }))
+    while True:
+        if not sock.poll(1000):
+            if os.getppid() != parent:
+                return 0  # orphaned: the daemon is gone
+            continue
+        msg = msgpack.unpackb(sock.recv(), strict_map_key=False)
+        op = msg.get("op")
+        if op == "stop":
+            return 0
+        try:
+            if op == "step":
+                reply = encode_result(runner.execute(decode_plan(msg)))
+            elif op == "health":
+                started = time.perf_counter()
+                runner.reset_kv()
+                result = runner.execute(health_plan(runner.config.vocab_size))
+                runner.reset_kv()
+                reply = msgpack.packb({"op": "health",
+                                       "token": result.sampled[HEALTH_REQUEST].token_id,
+                                       "seconds": time.perf_counter() - started})
+            else:
+                reply = msgpack.packb({"op": "error", "message": f"unknown op {op!r}"})
+        except Exception as exc:  # report, let the executor decide to restart us
+            reply = msgpack.packb({"op": "error", "step_id": msg.get("step_id"),
+                                   "message": f"{type(exc).__name__}: {exc}"})
+        sock.send(reply)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The Gateway actor: the client-facing ROUTER socket.
+
+One task receives: each frame is decoded (a bad one gets `Rejected` naming the problem and
+nothing else happens), `Describe` is answered here, everything else goes to the Stream actor
+of that connection, started on its first message. The inbox carries frames to send
+(`Outbound`) from every stream; a peer the ROUTER can no longer reach is reported to its
+stream as `ClientGone`. While draining, new `Generate`s get `Rejected(draining)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import trio
+import zmq
+
+from sluice.actors.base import Actor, Handler, Inbox
+from sluice.actors.stream import Stream
+from sluice.actors.supervisor import Supervisor
+from sluice.ipc import messages as m
+from sluice.ipc.codec import Codec, CodecError
+from sluice.ipc.sockets import PeerGone, Socket
+
+log = structlog.get_logger("sluice.gateway")
+
+
+class Gateway(Actor):
+    name = "gateway"
+
+    def __init__(
+        self,
+        listen: str,
+        *,
+        codec: Codec,
+        supervisor: Supervisor,
+        make_stream: Callable[[bytes], Stream],
+        info: m.ServerInfo,
+    ):
+        super().__init__()
+        self.listen = listen
+        self.codec = codec
+        self.supervisor = supervisor
+        self.make_stream = make_stream
+        self.info = info
+        self.address: str | None = None  # the bound address, kept across restarts
+        self.draining = False
+        self.streams: dict[bytes, Stream] = {}
+
+    def reset(self) -> None:
+        self.socket = Socket(zmq.ROUTER)
+        self.address = self.socket.bind(self.address or self.listen)
+
+    def teardown(self) -> None:
+        self.socket.close()
+
+    def handlers(self) -> dict[type, Handler]:
+        return {
+            m.Outbound: self.on_outbound,
+            m.StreamClosed: self.on_stream_closed,
+            m.Drain: self.on_drain,
+        }
+
+    async def background(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self._receive_loop)
+
+    async def on_outbound(self, msg: m.Outbound) -> None:
+        try:
+            await self.socket.send_multipart([msg.connection, msg.frame])
+        except PeerGone:
+            stream = self.streams.get(msg.connection)
+            if stream is not None:
+                stream.inbox.put(m.ClientGone(msg.connection))
+
+    async def on_stream_closed(self, msg: m.StreamClosed) -> None:
+        stream = self.streams.pop(msg.connection, None)
+        if stream is not None:
+            self.supervisor.stop_child(stream)
+            stream.inbox.close()
+
+    async def on_drain(self, msg: m.Drain) -> None:
+        self.draining = True
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self.socket.recv_multipart()
+            identity = frames[0]
+            if len(frames) != 2:
+                await self._reply(identity, m.Rejected("", m.RejectCode.INVALID,
+                                                      "expected exactly one frame", "frame"))
+                continue
+            try:
+                msg = self.codec.decode(frames[1])
+            except CodecError as exc:
+                await self._reply(identity, m.Rejected(exc.request_id, exc.code, exc.message,
+                                                      exc.field))
+                continue
+            if isinstance(msg, m.Describe):
+                await self._reply(identity, self.info)
+                continue
+            if isinstance(msg, m.Generate) and self.draining:
+                await self._reply(identity, m.Rejected(msg.request_id, m.RejectCode.DRAINING,
+                                                      "the daemon is draining"))
+                continue
+            stream = self.streams.get(identity)
+            if stream is None:
+                if isinstance(msg, m.Heartbeat):
+                    await self._reply(identity, m.Heartbeat())
+                    continue
+                stream = self.streams[identity] = self.make_stream(identity)
+                await self.supervisor.start_child(stream)
+            stream.inbox.put(msg)
+
+    async def _reply(self, identity: bytes, msg: Any) -> None:
+        try:
+            await self.socket.send_multipart([identity, self.codec.encode(msg)])
+        except PeerGone:
+            pass
+
+    async def on_crash(self, exc: BaseException) -> None:
+        # each stream fails its requests and reports StreamClosed, which the restarted
+        # gateway handles like any other close
+        for stream in self.streams.values():
+            stream.inbox.put(m.FailAll(f"gateway failed: {type(exc).__name__}"))

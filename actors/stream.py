@@ -1,0 +1,239 @@
+"""The Stream actor: one per client connection, the daemon's side of backpressure.
+
+It sends a request's chunks only within the credits the client granted, buffers the rest,
+and past the high watermark asks the Scheduler to `Pause` the request (its KV stays); once
+the buffer drains below the low watermark it sends `Resume`. A request paused longer than
+`pause_timeout` is ended with `timeout`. A connection silent past the heartbeat timeout, or
+one the ROUTER can no longer reach, is gone: all its requests are cancelled and released.
+
+Buffered chunks are merged when sent, so one credit can carry several tokens. Terminal
+messages (`Finished`, `Error`, `Rejected`) never need a credit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import structlog
+import trio
+
+from sluice.actors.base import Actor, Handler, Inbox
+from sluice.ipc import messages as m
+from sluice.ipc.codec import Codec
+
+log = structlog.get_logger("sluice.stream")
+
+_ABORTED = (m.FinishReason.CANCELLED, m.FinishReason.TIMEOUT, m.FinishReason.ERROR)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    heartbeat_interval: float = 1.0  # seconds between the daemon's heartbeats to a client
+    heartbeat_timeout: float = 10.0  # a client silent this long is gone
+    pause_timeout: float = 30.0  # a request paused this long ends with `timeout`
+    high_watermark: int = 32  # buffered chunks that pause a request
+    low_watermark: int = 8  # buffered chunks at or below which it resumes
+
+
+@dataclass
+class _Request:
+    client_id: str
+    daemon_id: str
+    credits: int
+    buffer: deque[m.Chunk] = field(default_factory=deque)
+    finished: m.Finished | None = None  # waits behind buffered chunks
+    paused_since: float | None = None
+    ending: bool = False  # a Release was sent; only the Finished is still expected
+
+
+class Stream(Actor):
+    def __init__(
+        self,
+        connection: bytes,
+        *,
+        config: StreamConfig,
+        codec: Codec,
+        gateway: Inbox,
+        tokenizer: Inbox,
+        scheduler: Inbox,
+    ):
+        super().__init__(f"stream-{connection.hex()}")
+        self.connection = connection
+        self.config = config
+        self.codec = codec
+        self.gateway = gateway
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.closed = False
+
+    def reset(self) -> None:
+        self.requests: dict[str, _Request] = {}
+        self.last_heard = trio.current_time()
+
+    def handlers(self) -> dict[type, Handler]:
+        return {
+            m.Generate: self.on_generate,
+            m.Credit: self.on_credit,
+            m.Cancel: self.on_cancel,
+            m.Heartbeat: self.on_heartbeat,
+            m.Deliver: self.on_deliver,
+            m.ClientGone: self.on_client_gone,
+            m.FailAll: self.on_fail_all,
+        }
+
+    async def background(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self._timers)
+
+    # -- from the client ----------------------------------------------------------------------
+
+    async def on_generate(self, msg: m.Generate) -> None:
+        self.last_heard = trio.current_time()
+        if msg.request_id in self.requests:
+            self._send(m.Rejected(msg.request_id, m.RejectCode.INVALID,
+                                  "a request with this id is still running", "request_id"))
+            return
+        if msg.credits < 0:
+            self._send(m.Rejected(msg.request_id, m.RejectCode.INVALID,
+                                  "must be >= 0", "credits"))
+            return
+        daemon_id = f"{self.connection.hex()}/{msg.request_id}"
+        self.requests[msg.request_id] = _Request(msg.request_id, daemon_id, msg.credits)
+        self.tokenizer.put(m.Encode(msg, daemon_id, self.connection, self.inbox, trio.current_time()))
+
+    async def on_credit(self, msg: m.Credit) -> None:
+        self.last_heard = trio.current_time()
+        request = self.requests.get(msg.request_id)
+        if request is not None and msg.chunks > 0:
+            request.credits += msg.chunks
+            self._flush(request)
+
+    async def on_cancel(self, msg: m.Cancel) -> None:
+        self.last_heard = trio.current_time()
+        request = self.requests.get(msg.request_id)
+        if request is not None and not request.ending:
+            request.ending = True
+            self.scheduler.put(m.Release((request.daemon_id,), m.FinishReason.CANCELLED))
+
+    async def on_heartbeat(self, msg: m.Heartbeat) -> None:
+        self.last_heard = trio.current_time()
+
+    # -- from the tokenizer -----------------------------------------------------------------
+
+    async def on_deliver(self, msg: m.Deliver) -> None:
+        for item in msg.messages:
+            request = self.requests.get(item.request_id)
+            if request is None:
+                continue  # ended already (cancelled, failed); late output is dropped
+            if isinstance(item, m.Chunk):
+                request.buffer.append(item)
+                self._flush(request)
+            elif isinstance(item, m.Finished):
+                if item.reason in _ABORTED:
+                    request.buffer.clear()
+                request.finished = item
+                self._flush(request)
+            elif isinstance(item, m.Rejected):
+                del self.requests[item.request_id]
+                self._send(item)
+            else:  # Accepted, Error
+                self._send(item)
+
+    # -- connection lifetime ------------------------------------------------------------------
+
+    async def on_client_gone(self, msg: m.ClientGone) -> None:
+        self._close("unreachable")
+
+    async def on_fail_all(self, msg: m.FailAll) -> None:
+        self._fail_requests(msg.message)
+        self._close("failed", release=False)
+
+    async def on_crash(self, exc: BaseException) -> None:
+        self._fail_requests(f"stream failed: {type(exc).__name__}")
+
+    def _fail_requests(self, message: str) -> None:
+        rids = tuple(r.daemon_id for r in self.requests.values())
+        for request in self.requests.values():
+            self._send(m.Error(request.client_id, message))
+            self._send(m.Finished(request.client_id, m.FinishReason.ERROR))
+        self.requests.clear()
+        if rids:
+            self.scheduler.put(m.Release(rids, m.FinishReason.ERROR))
+
+    def _close(self, why: str, *, release: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        rids = tuple(r.daemon_id for r in self.requests.values())
+        self.requests.clear()
+        if release and rids:
+            self.scheduler.put(m.Release(rids, m.FinishReason.CANCELLED))
+        log.info("client gone", connection=self.connection.hex(), why=why, released=len(rids))
+        self.gateway.put(m.StreamClosed(self.connection))
+
+    async def _timers(self) -> None:
+        cfg = self.config
+        tick = min(cfg.heartbeat_interval, cfg.heartbeat_timeout / 4, cfg.pause_timeout / 4)
+        next_heartbeat = trio.current_time()
+        while not self.closed:
+            await trio.sleep(tick)
+            now = trio.current_time()
+            if now - self.last_heard > cfg.heartbeat_timeout:
+                self._close("heartbeat timeout")
+                return
+            if now >= next_heartbeat:
+                self._send(m.Heartbeat())
+                next_heartbeat = now + cfg.heartbeat_interval
+            for request in list(self.requests.values()):
+                since = request.paused_since
+                if since is None or request.ending or now - since <= cfg.pause_timeout:
+                    continue
+                request.ending = True
+                if request.finished is None:
+                    self.scheduler.put(m.Release((request.daemon_id,), m.FinishReason.TIMEOUT))
+                else:  # already done in the scheduler; only the client never read it
+                    request.buffer.clear()
+                    request.finished = m.Finished(request.client_id, m.FinishReason.TIMEOUT,
+                                                  request.finished.usage, request.finished.timings)
+                    self._flush(request)
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def _flush(self, request: _Request) -> None:
+        if request.buffer and request.credits > 0:
+            request.credits -= 1
+            self._send(_merge(request.buffer))
+            request.buffer.clear()
+        if request.finished is not None and not request.buffer:
+            del self.requests[request.client_id]
+            self._send(request.finished)
+            return
+        self._apply_watermarks(request)
+
+    def _apply_watermarks(self, request: _Request) -> None:
+        depth = len(request.buffer)
+        if request.paused_since is None and depth > self.config.high_watermark:
+            request.paused_since = trio.current_time()
+            self.scheduler.put(m.Pause(request.daemon_id))
+        elif request.paused_since is not None and depth <= self.config.low_watermark:
+            request.paused_since = None
+            if not request.ending:
+                self.scheduler.put(m.Resume(request.daemon_id))
+
+    def _send(self, msg: object) -> None:
+        self.gateway.put(m.Outbound(self.connection, self.codec.encode(msg)))
+
+
+def _merge(chunks: deque[m.Chunk]) -> m.Chunk:
+    if len(chunks) == 1:
+        return chunks[0]
+    first = chunks[0]
+    logprobs = None
+    if all(c.logprobs is not None for c in chunks):
+        logprobs = tuple(lp for c in chunks for lp in c.logprobs)
+    return m.Chunk(
+        first.request_id,
+        "".join(c.text for c in chunks),
+        tuple(t for c in chunks for t in c.token_ids),
+        logprobs,
+    )

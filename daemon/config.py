@@ -1,0 +1,126 @@
+"""The daemon's settings: defaults, a TOML file, then command-line flags, in that order.
+
+```toml
+[daemon]
+listen = "tcp://127.0.0.1:7340"
+control = "ipc:///run/sluice/control.sock"
+model = "default"
+executor = "model"          # or "null"
+drain_deadline = 30.0
+
+[stream]                    # actors.stream.StreamConfig
+heartbeat_timeout = 10.0
+pause_timeout = 30.0
+
+[worker]                    # actors.executor.actor.WorkerSpec
+num_blocks = 2048
+
+[null]                      # the fake executor's pool and context
+num_blocks = 16384
+max_model_len = 4096
+
+[scheduler]                 # actors.scheduler.SchedulerConfig
+policy = "fair"
+```
+Unknown keys are errors naming the key. Nothing here starts anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sluice.actors.executor.actor import WorkerSpec
+from sluice.actors.stream import StreamConfig
+
+DEFAULT_LISTEN = "tcp://127.0.0.1:7340"
+DEFAULT_CONFIG_PATH = Path("/etc/sluice/sluiced.toml")
+
+
+class ConfigFileError(ValueError):
+    """The config file is unreadable or names an unknown or mistyped key."""
+
+
+def runtime_dir() -> Path:
+    """`$XDG_RUNTIME_DIR/sluice`, or a per-user directory under the temp dir."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = Path(base) / "sluice" if base else Path(tempfile.gettempdir()) / f"sluice-{os.getuid()}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+def default_control_address() -> str:
+    return f"ipc://{runtime_dir() / 'control.sock'}"
+
+
+@dataclass(frozen=True)
+class NullSettings:
+    num_blocks: int = 16384
+    block_size: int = 16
+    max_model_len: int = 4096
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    listen: str = DEFAULT_LISTEN
+    control: str | None = None  # None: an ipc socket in the runtime directory
+    model: str | None = None  # None or "default": the embedded model
+    executor: str = "model"  # model | null
+    drain_deadline: float = 30.0  # seconds SIGTERM waits for running requests
+    max_frame_bytes: int = 4 * 1024 * 1024
+    stream: StreamConfig = StreamConfig()
+    worker: WorkerSpec = WorkerSpec()
+    null: NullSettings = NullSettings()
+    scheduler: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def control_address(self) -> str:
+        return self.control or default_control_address()
+
+
+_SECTIONS = {"stream": StreamConfig, "worker": WorkerSpec, "null": NullSettings}
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> DaemonConfig:
+    """Read `path` (if given) and apply flag overrides (`None` values are ignored)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as handle:
+                data = tomllib.load(handle)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigFileError(f"{path}: {exc}") from None
+    unknown = set(data) - {"daemon", "scheduler", *_SECTIONS}
+    if unknown:
+        raise ConfigFileError(f"unknown section(s): {', '.join(sorted(unknown))}")
+    values: dict[str, Any] = dict(data.get("daemon", {}))
+    top = {f.name for f in dataclasses.fields(DaemonConfig)} - {"scheduler", *_SECTIONS}
+    bad = set(values) - top
+    if bad:
+        raise ConfigFileError(f"daemon: unknown key(s) {', '.join(sorted(bad))}")
+    for name, cls in _SECTIONS.items():
+        section = data.get(name, {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = set(section) - known
+        if bad:
+            raise ConfigFileError(f"{name}: unknown key(s) {', '.join(sorted(bad))}")
+        values[name] = cls(**section)
+    values["scheduler"] = dict(data.get("scheduler", {}))
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, name = key.rpartition(".")
+        if section:
+            values[section] = dataclasses.replace(values[section], **{name: value})
+        else:
+            values[name] = value
+    if values.get("model") == "default":
+        values["model"] = None
+    if values.get("executor", "model") not in ("model", "null"):
+        raise ConfigFileError(f"executor: must be model or null, got {values['executor']!r}")
+    return DaemonConfig(**values)

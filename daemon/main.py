@@ -1,0 +1,136 @@
+"""`sluiced`: the daemon's entry point — flags, logging, signals, exit codes.
+
+`sluiced serve` runs until SIGTERM or SIGINT, which drain it: no new admissions, running
+requests get `drain_deadline` seconds to finish, then exit 0. An actor that exhausts its
+restart budget takes the daemon down with exit code 70 so systemd restarts it whole. Once it
+serves, one line goes to stdout: `sluiced ready listen=ADDR control=ADDR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+
+import structlog
+import trio
+
+EXIT_ESCALATED = 70
+EXIT_CONFIG = 78
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluiced", description="the sluice inference daemon")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="serve a model")
+    serve.add_argument("--config", help="TOML config file")
+    serve.add_argument("--model", help="model path, or 'default' for the embedded model")
+    serve.add_argument("--listen", help="client address, tcp:// or ipc:// (default tcp://127.0.0.1:7340)")
+    serve.add_argument("--control", help="control address (default: ipc socket in the runtime dir)")
+    serve.add_argument("--executor", choices=("model", "null"),
+                       help="'null' is a fake zero-cost model for measuring serving overhead")
+    serve.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
+    serve.add_argument("--device", help="cpu or cuda")
+    serve.add_argument("--dtype", help="float32, bfloat16 or float16")
+    serve.add_argument("--heartbeat-timeout", type=float, help="seconds of client silence")
+    serve.add_argument("--pause-timeout", type=float, help="seconds a paused request may wait")
+    serve.add_argument("--drain-deadline", type=float, help="seconds SIGTERM waits")
+    serve.add_argument("--log-level", default=os.environ.get("SLUICE_LOG_LEVEL", "info"))
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    executor = args.executor
+    return {
+        "model": args.model,
+        "listen": args.listen,
+        "control": args.control,
+        "executor": executor,
+        "drain_deadline": args.drain_deadline,
+        "stream.heartbeat_timeout": args.heartbeat_timeout,
+        "stream.pause_timeout": args.pause_timeout,
+        "worker.num_blocks": args.num_blocks if executor != "null" else None,
+        "null.num_blocks": args.num_blocks if executor == "null" else None,
+        "worker.device": args.device,
+        "worker.dtype": args.dtype,
+    }
+
+
+def configure_logging(level: str) -> None:
+    """Console logs on a TTY, JSON otherwise (journald); never prompt or output text."""
+    renderer = (structlog.dev.ConsoleRenderer() if sys.stderr.isatty()
+                else structlog.processors.JSONRenderer())
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper("iso"),
+                    renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            getattr(logging, level.upper(), logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+def sd_notify(state: str) -> None:
+    """Tell systemd (Type=notify) about readiness and status; a no-op outside systemd."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.sendto(state.encode(), address)
+        except OSError:
+            pass
+
+
+async def serve(config) -> int:
+    from sluice.daemon.server import Daemon
+
+    daemon = Daemon(config)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.run)
+            print(f"sluiced ready listen={daemon.listen_address} control={daemon.control_address}",
+                  flush=True)
+            sd_notify(f"READY=1\nSTATUS=serving on {daemon.listen_address}")
+
+            async def watchdog() -> None:
+                while True:
+                    sd_notify("WATCHDOG=1")
+                    await trio.sleep(5)
+
+            nursery.start_soon(watchdog)
+            async for _ in signals:
+                sd_notify("STOPPING=1\nSTATUS=draining")
+                finished = await daemon.drain()
+                structlog.get_logger("sluice.daemon").info("stopped", drained=finished)
+                nursery.cancel_scope.cancel()
+                break
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    from sluice.actors.supervisor import Escalation
+    from sluice.daemon.config import ConfigFileError, load_config
+
+    try:
+        config = load_config(args.config, _overrides(args))
+    except (ConfigFileError, TypeError, ValueError) as exc:
+        print(f"sluiced: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    code = 0
+    try:
+        code = trio.run(serve, config)
+    except* Escalation as group:
+        print(f"sluiced: {group.exceptions[0]}; exiting", file=sys.stderr)
+        code = EXIT_ESCALATED
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Wiring the supervision tree: which actors exist, who talks to whom, in what order they start.
+
+The Executor starts first, because the pool it reports (blocks, block size, context) sizes
+the scheduler core; then the Scheduler, Tokenizer, Gateway and Control. Streams are started
+by the Gateway, one per connection. `Daemon.run` returns when the daemon was drained and
+stopped; an `Escalation` from the supervisor propagates (the process exits non-zero).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import structlog
+import trio
+
+from sluice.actors.base import Actor, Inbox
+from sluice.actors.control import Control
+from sluice.actors.executor.actor import Executor, WorkerSpec
+from sluice.actors.executor.loader import resolve_model_path
+from sluice.actors.executor.null import NullExecutor
+from sluice.actors.gateway import Gateway
+from sluice.actors.scheduler import Scheduler, SchedulerConfig
+from sluice.actors.scheduler.actor import SchedulerActor
+from sluice.actors.stream import Stream
+from sluice.actors.supervisor import Supervisor
+from sluice.actors.text import load_tokenizer
+from sluice.actors.tokenizer import Tokenizer
+from sluice.daemon.config import DaemonConfig, runtime_dir
+from sluice.ipc import messages as m
+from sluice.ipc.codec import Codec
+
+log = structlog.get_logger("sluice.daemon")
+
+NULL_TEXT = " the quick brown fox jumps over the lazy dog"
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.supervisor = Supervisor()
+        self.stopped = trio.Event()
+        self.executor: Actor | None = None
+        self.scheduler: SchedulerActor | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.gateway: Gateway | None = None
+        self.control: Control | None = None
+
+    @property
+    def listen_address(self) -> str:
+        return self.gateway.address
+
+    @property
+    def control_address(self) -> str:
+        return self.control.address
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        tokenizer = await trio.to_thread.run_sync(load_tokenizer, self.model_path)
+        scheduler_inbox = Inbox("scheduler")
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.supervisor.run, [])
+            self.executor, facts = self._make_executor(tokenizer, scheduler_inbox)
+            await self.supervisor.start_child(self.executor)
+            if facts is None:
+                facts = self.executor.facts
+            core_config = SchedulerConfig.from_dict(
+                {**cfg.scheduler, "kv_blocks": facts.num_blocks, "block_size": facts.block_size}
+            )
+            max_model_len = facts.max_model_len
+
+            def make_core() -> Scheduler:
+                return Scheduler(core_config, eos_token_ids=tokenizer.eos_token_ids,
+                                 max_model_len=max_model_len)
+
+            self.tokenizer = Tokenizer(tokenizer, scheduler=scheduler_inbox)
+            self.scheduler = SchedulerActor(make_core, tokenizer=self.tokenizer.inbox,
+                                            executor=self.executor.inbox, inbox=scheduler_inbox)
+            codec = Codec(m.SERVER_MESSAGES, max_frame_bytes=cfg.max_frame_bytes)
+            client_codec = Codec(m.CLIENT_MESSAGES, max_frame_bytes=cfg.max_frame_bytes)
+            gateway_inbox = Inbox("gateway")
+
+            def make_stream(connection: bytes) -> Stream:
+                return Stream(connection, config=cfg.stream, codec=codec, gateway=gateway_inbox,
+                              tokenizer=self.tokenizer.inbox, scheduler=scheduler_inbox)
+
+            model_name = "embedded:" + self.model_path.name if cfg.model is None else str(cfg.model)
+            if cfg.executor == "null":
+                model_name = "null (fake tokens)"
+            self.gateway = Gateway(cfg.listen, codec=client_codec, supervisor=self.supervisor,
+                                   make_stream=make_stream,
+                                   info=m.ServerInfo(m.PROTOCOL_VERSION, model_name, max_model_len))
+            self.gateway.inbox = gateway_inbox
+            self.control = Control(cfg.control_address, scheduler=scheduler_inbox,
+                                   connections=lambda: len(self.gateway.streams))
+            for actor in (self.scheduler, self.tokenizer, self.gateway, self.control):
+                await self.supervisor.start_child(actor)
+            log.info("ready", listen=self.gateway.address, control=self.control.address,
+                     executor=cfg.executor, kv_blocks=facts.num_blocks)
+            task_status.started(self)
+            await self.stopped.wait()
+            nursery.cancel_scope.cancel()
+
+    def _make_executor(self, tokenizer, scheduler_inbox: Inbox):
+        cfg = self.config
+        if cfg.executor == "null":
+            ids = [t for t in tokenizer.encode(NULL_TEXT) if t not in tokenizer.eos_token_ids]
+            facts = _NullFacts(cfg.null.num_blocks, cfg.null.block_size, cfg.null.max_model_len)
+            return NullExecutor(scheduler=scheduler_inbox, token_cycle=ids), facts
+        spec = cfg.worker
+        if spec.model is None and cfg.model is not None:
+            spec = dataclasses.replace(spec, model=cfg.model)
+        if spec.runtime_dir is None:
+            spec = dataclasses.replace(spec, runtime_dir=str(runtime_dir()))
+        return Executor(spec, scheduler=scheduler_inbox), None
+
+    async def drain(self, deadline: float | None = None) -> bool:
+        """Stop admitting, wait for running requests (up to `deadline` s), then stop.
+
+        Returns whether every request finished before the deadline; the rest are cancelled.
+        """
+        deadline = self.config.drain_deadline if deadline is None else deadline
+        self.gateway.inbox.put(m.Drain(deadline))
+        self.scheduler.inbox.put(m.Drain(deadline))
+        finished = True
+        with trio.move_on_after(deadline) as scope:
+            while not self.scheduler.idle:
+                await trio.sleep(0.05)
+        if scope.cancelled_caught:
+            finished = False
+            rids = tuple(self.scheduler.core.requests)
+            self.scheduler.inbox.put(m.Release(rids, m.FinishReason.CANCELLED))
+            await trio.sleep(0.2)
+        await trio.sleep(0.1)  # let the last Finished frames leave the gateway
+        self.stopped.set()
+        return finished
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+@dataclasses.dataclass(frozen=True)
+class _NullFacts:
+    num_blocks: int
+    block_size: int
+    max_model_len: int

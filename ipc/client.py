@@ -1,0 +1,321 @@
+"""The client library: `AsyncClient` (trio) and `Client` (blocking), the same shape.
+
+    async with AsyncClient("tcp://127.0.0.1:7340") as client:
+        generation = await client.generate("Hello", max_tokens=16, temperature=0)
+        async for chunk in generation:
+            print(chunk.text, end="")
+        print(generation.result.finish_reason)
+
+Credits are granted as the application consumes chunks, so an application that stops
+reading becomes a slow client and the daemon pauses its request. Heartbeats run in the
+background. A refusal raises the `RejectedError` subclass of its code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+import zmq
+
+from sluice.ipc import messages as m
+from sluice.ipc.codec import Codec, CodecError
+from sluice.ipc.errors import DaemonGone, SluiceError, error_for
+from sluice.ipc.sockets import Socket
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    finish_reason: str  # stop | length | cancelled | timeout | error | preempted_abort
+    text: str
+    token_ids: list[int]
+    usage: m.Usage
+    timings: m.Timings
+    error: str | None = None  # the daemon's message when finish_reason is "error"
+
+
+@dataclass
+class _Pending:
+    send: Any
+    recv: Any
+    first: list = field(default_factory=list)
+
+
+class AsyncGeneration:
+    """One request's stream of chunks; iterate it, `cancel()` it, then read `result`."""
+
+    def __init__(self, client: AsyncClient, request_id: str, credit_window: int, recv: Any):
+        self._client = client
+        self.request_id = request_id
+        self.prompt_tokens = 0
+        self._window = credit_window
+        self._recv = recv
+        self._text: list[str] = []
+        self._ids: list[int] = []
+        self._ungranted = 0
+        self._error: str | None = None
+        self._result: GenerationResult | None = None
+
+    @property
+    def result(self) -> GenerationResult:
+        if self._result is None:
+            raise SluiceError("the generation has not finished; iterate it to the end first")
+        return self._result
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def __aiter__(self) -> AsyncGeneration:
+        return self
+
+    async def __anext__(self) -> m.Chunk:
+        while self._result is None:
+            item = await self._client._next_item(self._recv)
+            if isinstance(item, m.Chunk):
+                self._text.append(item.text)
+                self._ids.extend(item.token_ids)
+                await self._grant()
+                return item
+            if isinstance(item, m.Finished):
+                self._finish(item)
+            elif isinstance(item, m.Error):
+                self._error = item.message
+            elif isinstance(item, m.Accepted):
+                self.prompt_tokens = item.prompt_tokens
+        raise StopAsyncIteration
+
+    async def cancel(self) -> None:
+        """Ask the daemon to stop; iteration then ends with finish_reason "cancelled"."""
+        if self._result is None:
+            await self._client._send(m.Cancel(self.request_id))
+
+    async def collect(self) -> GenerationResult:
+        async for _ in self:
+            pass
+        return self.result
+
+    async def _grant(self) -> None:
+        self._ungranted += 1
+        if self._ungranted >= max(1, self._window // 2):
+            grant, self._ungranted = self._ungranted, 0
+            await self._client._send(m.Credit(self.request_id, grant))
+
+    def _finish(self, item: m.Finished) -> None:
+        self._result = GenerationResult(
+            self.request_id, item.reason.name.lower(), "".join(self._text), self._ids,
+            item.usage, item.timings, self._error,
+        )
+        self._client._forget(self.request_id)
+
+
+class AsyncClient:
+    """A connection to a daemon; use `async with`. Safe to share between trio tasks."""
+
+    def __init__(self, address: str, *, credit_window: int = 16, heartbeat_interval: float = 1.0,
+                 daemon_timeout: float = 15.0, tenant: str = "default"):
+        if credit_window < 1:
+            raise ValueError("credit_window must be >= 1")
+        self.address = address
+        self.credit_window = credit_window
+        self.heartbeat_interval = heartbeat_interval
+        self.daemon_timeout = daemon_timeout
+        self.tenant = tenant
+        self._codec = Codec(m.SERVER_MESSAGES)
+        self._ids = itertools.count(1)
+        self._pending: dict[str, _Pending] = {}
+        self._info_waiters: list[Any] = []
+        self._gone: DaemonGone | None = None
+
+    async def __aenter__(self) -> AsyncClient:
+        self._socket = Socket(zmq.DEALER)
+        self._socket.zmq.setsockopt(zmq.ROUTING_ID, os.urandom(8))
+        self._socket.connect(self.address)
+        self._last_heard = trio.current_time()
+        self._nursery_manager = trio.open_nursery()
+        nursery = await self._nursery_manager.__aenter__()
+        nursery.start_soon(self._receive_loop)
+        nursery.start_soon(self._heartbeats)
+        self._nursery = nursery
+        return self
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        self._nursery.cancel_scope.cancel()
+        try:
+            return await self._nursery_manager.__aexit__(*exc)
+        finally:
+            self._socket.close()
+
+    async def generate(
+        self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+        prompt_ids: Sequence[int] | None = None, max_tokens: int = 16, temperature: float = 1.0,
+        top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+        stop: Sequence[str] = (), ignore_eos: bool = False, priority: int = 0,
+        tenant: str | None = None, stop_token_ids: Sequence[int] = (),
+    ) -> AsyncGeneration:
+        """Send a request and wait until the daemon accepts it; raise if it refuses."""
+        rid = str(next(self._ids))
+        sampling = m.Sampling(max_tokens=max_tokens, temperature=float(temperature),
+                              top_p=float(top_p), top_k=top_k, min_p=float(min_p), seed=seed,
+                              stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
+                              ignore_eos=ignore_eos)
+        chat = None if messages is None else tuple(
+            m.ChatMessage(str(x["role"]), str(x["content"])) for x in messages)
+        msg = m.Generate(rid, prompt=prompt, messages=chat,
+                         prompt_ids=None if prompt_ids is None else tuple(prompt_ids),
+                         sampling=sampling, priority=priority, tenant=tenant or self.tenant,
+                         credits=self.credit_window)
+        send, recv = trio.open_memory_channel[Any](math.inf)  # bounded by credits in practice
+        self._pending[rid] = _Pending(send, recv)
+        await self._send(msg)
+        generation = AsyncGeneration(self, rid, self.credit_window, recv)
+        first = await self._next_item(recv)
+        if isinstance(first, m.Rejected):
+            self._forget(rid)
+            raise error_for(first)
+        if isinstance(first, m.Accepted):
+            generation.prompt_tokens = first.prompt_tokens
+        else:  # an Error or Finished before acceptance: the iteration will show it
+            self._pending[rid].first.append(first)
+        return generation
+
+    async def status(self) -> m.ServerInfo:
+        """What any client may know: protocol version and model name."""
+        send, recv = trio.open_memory_channel[m.ServerInfo](1)
+        self._info_waiters.append(send)
+        await self._send(m.Describe())
+        with trio.fail_after(self.daemon_timeout):
+            return await recv.receive()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    async def _send(self, msg: Any) -> None:
+        if self._gone is not None:
+            raise self._gone
+        await self._socket.send(self._codec.encode(msg))
+
+    async def _next_item(self, recv: Any) -> Any:
+        for pending in self._pending.values():
+            if pending.recv is recv and pending.first:
+                return pending.first.pop(0)
+        if self._gone is not None and recv.statistics().current_buffer_used == 0:
+            raise self._gone
+        try:
+            return await recv.receive()
+        except trio.EndOfChannel:
+            raise self._gone or DaemonGone("connection closed") from None
+
+    def _forget(self, rid: str) -> None:
+        self._pending.pop(rid, None)
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frame = await self._socket.recv()
+            self._last_heard = trio.current_time()
+            try:
+                msg = self._codec.decode(frame)
+            except CodecError:
+                continue  # a daemon speaking another version; its Rejected explains elsewhere
+            if isinstance(msg, m.ServerInfo):
+                while self._info_waiters:
+                    self._info_waiters.pop(0).send_nowait(msg)
+                continue
+            pending = self._pending.get(getattr(msg, "request_id", ""))
+            if pending is not None:
+                pending.send.send_nowait(msg)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            try:
+                await self._socket.send(self._codec.encode(m.Heartbeat()))
+            except zmq.ZMQError:
+                pass
+            await trio.sleep(self.heartbeat_interval)
+            silent = trio.current_time() - self._last_heard
+            if self._pending and silent > self.daemon_timeout:
+                self._gone = DaemonGone(f"no word from the daemon for {silent:.1f}s")
+                for pending in list(self._pending.values()):
+                    pending.send.close()
+
+
+class Generation:
+    """The blocking twin of `AsyncGeneration`."""
+
+    def __init__(self, client: Client, inner: AsyncGeneration):
+        self._client = client
+        self._inner = inner
+        self.request_id = inner.request_id
+
+    def __iter__(self) -> Iterator[m.Chunk]:
+        while True:
+            try:
+                yield self._client._call(self._inner.__anext__)
+            except StopAsyncIteration:
+                return
+
+    def cancel(self) -> None:
+        self._client._call(self._inner.cancel)
+
+    def collect(self) -> GenerationResult:
+        return self._client._call(self._inner.collect)
+
+    @property
+    def result(self) -> GenerationResult:
+        return self._inner.result
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._inner.prompt_tokens
+
+
+class Client:
+    """Blocking client: an `AsyncClient` on a trio loop in a background thread."""
+
+    def __init__(self, address: str, **options: Any):
+        self._async = AsyncClient(address, **options)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True,
+                                        name="sluice-client")
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    async def _main(self) -> None:
+        self._startup_error: BaseException | None = None
+        try:
+            async with self._async:
+                self._token = trio.lowlevel.current_trio_token()
+                self._stop = trio.Event()
+                self._ready.set()
+                await self._stop.wait()
+        except BaseException as exc:  # surfaced to the constructor
+            self._startup_error = exc
+            self._ready.set()
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        return trio.from_thread.run(fn, *args, trio_token=self._token)
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Generation:
+        return Generation(self, self._call(lambda: self._async.generate(prompt, **kwargs)))
+
+    def status(self) -> m.ServerInfo:
+        return self._call(self._async.status)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
