@@ -71,6 +71,8 @@ class Scheduler(LifecycleMixin, InspectionMixin):
         # outputs of requests that ended while planning (a pool too small for one request)
         self._pending_outputs: list[RequestOutput] = []
         self._preemptions_at_start = 0
+        self._last_schedule_time: float | None = None
+        self._iteration_seconds = 0.0  # between the last two schedule() calls, for aging
 
     # -- admission ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -161,6 +163,9 @@ class Scheduler(LifecycleMixin, InspectionMixin):
     def schedule(self) -> StepPlan:
         """Plan one iteration: decode tokens and prefill chunks within the token budget."""
         now = self.clock()
+        if self._last_schedule_time is not None:
+            self._iteration_seconds = now - self._last_schedule_time
+        self._last_schedule_time = now
         self._step_id += 1
         cfg = self.config
         self._seqs = {}
@@ -216,7 +221,9 @@ class Scheduler(LifecycleMixin, InspectionMixin):
             and self.num_preemptions == self._preemptions_at_start
             and self._admission_allowed()
         ):
-            request = self.waiting.select(now, self.tenants, self._tenant_may_run)
+            request = self.waiting.select(
+                now, self.tenants, self._tenant_may_run, self._iteration_seconds
+            )
             if request is None or not self._admit(request, now):
                 return
 

@@ -144,6 +144,10 @@ def simulate(scenario: Scenario, *, check_invariants: bool = False) -> Simulatio
                 _record_end(traces[spec.id], out, now)
                 cancelled.append(spec.id)
         if not sched.has_unfinished():
+            if cancelled:  # the round consisted only of cancellations
+                rounds.append({"round": round_no, "time": now, "prefill": {}, "decode": [],
+                               "finished": [], "cancelled": cancelled})
+                round_no += 1
             if not pending:
                 break
             nxt = pending[0]

@@ -57,12 +57,16 @@ class WaitQueue:
         now: float,
         tenants: dict[str, TenantState],
         eligible: Callable[[TenantState], bool],
+        iteration_seconds: float = 0.0,
     ) -> Request | None:
-        """The request to admit next (left in the queue), or None when nobody eligible waits."""
+        """The request to admit next (left in the queue), or None when nobody eligible waits.
+
+        A request that would pass `max_wait` by waiting one more iteration goes first.
+        """
         if self._size == 0:
             return None
         overdue = self._top(self._by_arrival)
-        if overdue is not None and now - overdue.arrival_time >= self.max_wait:
+        if overdue is not None and now + iteration_seconds - overdue.arrival_time >= self.max_wait:
             if eligible(tenants[overdue.tenant]):
                 return overdue
         tops = []
