@@ -75,6 +75,7 @@ def _attend_decodes(query, key_cache, value_cache, block_tables, starts, lengths
     values = _gather(value_cache, tables)[:, :max_ctx].transpose(1, 2)
     q = query[token_index].unsqueeze(2)  # [B, H, 1, d]
     visible = torch.arange(max_ctx)[None, :] < ctx[:, None]  # [B, L]
+    visible = visible.to(query.device)  # built on the host; a no-op for CPU tensors
     attended = F.scaled_dot_product_attention(
         q.to(keys.dtype), keys, values, attn_mask=visible[:, None, None, :], scale=scale,
         enable_gqa=q.shape[1] != keys.shape[1],
@@ -91,7 +92,7 @@ def _attend_chunk(query, key_cache, value_cache, table, start, q_len, ctx_len, b
     q = query[start:start + q_len].transpose(0, 1)  # [H, q, d]
     first_pos = ctx_len - q_len
     query_pos = torch.arange(first_pos, ctx_len)[:, None]
-    visible = torch.arange(ctx_len)[None, :] <= query_pos  # [q, L]
+    visible = (torch.arange(ctx_len)[None, :] <= query_pos).to(query.device)  # [q, L]
     attended = F.scaled_dot_product_attention(
         q.to(keys.dtype), keys, values, attn_mask=visible, scale=scale,
         enable_gqa=q.shape[0] != keys.shape[0],
