@@ -54,6 +54,7 @@ class SchedulerActor(Actor):
         self.counters = {"accepted": 0, "finished": 0, "cancelled": 0, "rejected": 0}
         self.worker_state = "ready" if worker_ready else "starting"
         self.worker_restarts = 0
+        self.worker_pid = 0
         self.draining = False
 
     def reset(self) -> None:
@@ -156,6 +157,7 @@ class SchedulerActor(Actor):
         self.worker_ready = True
         self.worker_state = "ready"
         self.worker_restarts = msg.restarts
+        self.worker_pid = msg.pid
         self._maybe_step()
 
     def _after_step(self) -> None:
@@ -212,7 +214,7 @@ class SchedulerActor(Actor):
         state = "draining" if self.draining else "serving"
         return m.StatusReport(
             state=state,
-            worker=m.WorkerStatus(self.worker_state, self.worker_restarts),
+            worker=m.WorkerStatus(self.worker_state, self.worker_restarts, self.worker_pid),
             kv=m.KVStatus(bm.num_total_blocks, bm.num_free_blocks, bm.num_used_blocks,
                           bm.num_cached_blocks),
             requests=m.RequestCounts(waiting, len(core.running), len(core.paused)),

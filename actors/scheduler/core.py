@@ -95,6 +95,7 @@ class Scheduler(LifecycleMixin, InspectionMixin):
         if not sampling.ignore_eos:
             stop_ids |= self.eos_token_ids
         request.stop_ids = frozenset(stop_ids)
+        request.has_penalties = sampling.has_penalties
         request.max_total_tokens = min(
             len(request.prompt_token_ids) + sampling.max_tokens, self.max_model_len
         )
@@ -258,22 +259,22 @@ class Scheduler(LifecycleMixin, InspectionMixin):
     def _emit(self, request: Request, start: int, n: int, *, decode: bool) -> None:
         tokens = request.all_token_ids
         end = start + n
-        sampling = request.sampling
+        outputs = request.output_token_ids
         sample = end >= len(tokens) and (
-            self.config.first_token_from_prefill or bool(request.output_token_ids) or decode
+            decode or self.config.first_token_from_prefill or bool(outputs)
         )
-        penalties = sampling.has_penalties
+        penalties = request.has_penalties
         self._seqs[request.request_id] = ScheduledSeq(
-            request_id=request.request_id,
-            token_ids=tokens[start:end],
-            start_pos=start,
-            block_table=request.block_ids,
-            sample=sample,
-            sampling=sampling,
-            num_generated=len(request.output_token_ids),
-            sampling_seed=request.sampling_seed,
-            prompt_token_ids=request.prompt_token_ids if penalties else None,
-            output_token_ids=list(request.output_token_ids) if penalties else None,
+            request.request_id,
+            tokens[start:end],
+            start,
+            request.block_ids,
+            sample,
+            request.sampling,
+            len(outputs),
+            request.sampling_seed,
+            request.prompt_token_ids if penalties else None,
+            list(outputs) if penalties else None,
         )
         request.scheduled_step = self._step_id
         request.last_chunk_was_decode = decode

@@ -79,6 +79,7 @@ class Request:
     stop_ids: frozenset[int] = field(default=frozenset(), init=False)
     max_total_tokens: int = field(default=0, init=False)  # prompt + max_tokens, capped by model
     reserved_blocks: int = field(default=0, init=False)  # KV promised under reserve admission
+    has_penalties: bool = field(default=False, init=False)  # plans carry the token lists
 
     @property
     def num_prompt_tokens(self) -> int:
