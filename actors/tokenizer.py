@@ -6,7 +6,10 @@ tokenizes, off the trio thread when the prompt is long. Outbound it keeps one in
 detokenizer per request, so a chunk never splits a UTF-8 character and a stop string is held
 back until it can no longer match and is never sent; a matched stop string ends the request.
 
-A crash loses the detokenizers, so every request this actor held ends with `Error`.
+A crash fails the request whose message was being handled (it ends with `Error`); each
+other request's detokenizer belongs to that request, was not being touched, and is handed to
+the restarted actor, so those requests continue. Outputs of a step that were not handled yet
+when the crash happened are handled first by the new incarnation.
 """
 
 from __future__ import annotations
@@ -93,10 +96,17 @@ class Tokenizer(Actor):
         super().__init__()
         self.tokenizer = tokenizer
         self.scheduler = scheduler
+        self.requests: dict[str, _Detok] = {}  # survives restarts (see the module docstring)
+        self._carry: list = []  # outputs a crashed incarnation left unhandled
 
     def reset(self) -> None:
-        self.requests: dict[str, _Detok] = {}
         self.in_hand: m.Encode | None = None  # the request being tokenized, for on_crash
+        self.culprit: str | None = None  # the request whose output is being rendered
+        self.deliveries: dict[int, tuple[Inbox, list]] = {}
+        self.unhandled: list = []
+        carry, self._carry = self._carry, []
+        if carry:
+            self._render_all(carry, trio.current_time())
 
     def handlers(self) -> dict[type, Handler]:
         return {
@@ -159,15 +169,26 @@ class Tokenizer(Actor):
                                                      msg.field),)))
 
     async def on_step_outputs(self, msg: m.StepOutputs) -> None:
-        by_stream: dict[int, tuple[Inbox, list]] = {}
-        now = trio.current_time()
-        for out in msg.outputs:
+        self._render_all(list(msg.outputs), trio.current_time())
+
+    def _render_all(self, outputs: list, now: float) -> None:
+        self.unhandled = outputs
+        while self.unhandled:
+            out = self.unhandled[0]
             state = self.requests.get(out.request_id)
-            if state is None:
-                continue
-            sent = by_stream.setdefault(id(state.reply_to), (state.reply_to, []))[1]
-            self._render(out, state, sent, now)
-        for inbox, items in by_stream.values():
+            if state is not None:
+                self.culprit = out.request_id
+                self._render(out, state, self._outbox(state.reply_to), now)
+                self.culprit = None
+            self.unhandled.pop(0)
+        self._deliver()
+
+    def _outbox(self, reply_to: Inbox) -> list:
+        return self.deliveries.setdefault(id(reply_to), (reply_to, []))[1]
+
+    def _deliver(self) -> None:
+        deliveries, self.deliveries = self.deliveries, {}
+        for inbox, items in deliveries.values():
             inbox.put(m.Deliver(tuple(items)))
 
     def _render(self, out, state: _Detok, sent: list, now: float) -> None:
@@ -211,18 +232,20 @@ class Tokenizer(Actor):
         return m.Finished(state.client_id, reason, usage, timings)
 
     async def on_crash(self, exc: BaseException) -> None:
-        failed = list(self.requests.items())
-        if self.in_hand is not None and self.in_hand.request_id not in self.requests:
-            hand = self.in_hand
-            hand.reply_to.put(m.Deliver((
-                m.Error(hand.generate.request_id, f"tokenizer failed: {type(exc).__name__}"),
+        why = f"tokenizer failed: {type(exc).__name__}"
+        hand, self.in_hand = self.in_hand, None
+        culprit = self.culprit or (hand.request_id if hand is not None else None)
+        failed = self.requests.pop(culprit, None) if culprit else None
+        if failed is not None:
+            self._outbox(failed.reply_to).extend((
+                m.Error(failed.client_id, why), m.Finished(failed.client_id, m.FinishReason.ERROR)
+            ))
+            self.scheduler.put(m.Release((culprit,), m.FinishReason.ERROR))
+        elif hand is not None:  # crashed before the request reached the scheduler
+            self._outbox(hand.reply_to).extend((
+                m.Error(hand.generate.request_id, why),
                 m.Finished(hand.generate.request_id, m.FinishReason.ERROR),
-            )))
-        for _, state in failed:
-            state.reply_to.put(m.Deliver((
-                m.Error(state.client_id, f"tokenizer failed: {type(exc).__name__}"),
-                m.Finished(state.client_id, m.FinishReason.ERROR),
-            )))
-        if failed:
-            self.scheduler.put(m.Release(tuple(rid for rid, _ in failed), m.FinishReason.ERROR))
-        log.error("tokenizer lost its requests", count=len(failed) + (self.in_hand is not None))
+            ))
+        self._deliver()
+        self._carry = self.unhandled[1:]  # [0] is the output that crashed
+        log.error("tokenizer crashed", error=repr(exc), request=culprit)

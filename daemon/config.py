@@ -63,6 +63,7 @@ class NullSettings:
     num_blocks: int = 16384
     block_size: int = 16
     max_model_len: int = 4096
+    text: str = " the quick brown fox jumps over the lazy dog"  # tokenized: the token cycle
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ stopped; an `Escalation` from the supervisor propagates (the process exits non-z
 from __future__ import annotations
 
 import dataclasses
+import functools
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -32,7 +34,11 @@ from sluice.ipc.codec import Codec
 
 log = structlog.get_logger("sluice.daemon")
 
-NULL_TEXT = " the quick brown fox jumps over the lazy dog"
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: Path):
+    """Tokenizers are immutable and slow to build from GGUF metadata: one per model path."""
+    return load_tokenizer(path)
 
 
 class Daemon:
@@ -57,7 +63,7 @@ class Daemon:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
-        tokenizer = await trio.to_thread.run_sync(load_tokenizer, self.model_path)
+        tokenizer = await trio.to_thread.run_sync(_load_tokenizer, self.model_path)
         scheduler_inbox = Inbox("scheduler")
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -106,7 +112,7 @@ class Daemon:
     def _make_executor(self, tokenizer, scheduler_inbox: Inbox):
         cfg = self.config
         if cfg.executor == "null":
-            ids = [t for t in tokenizer.encode(NULL_TEXT) if t not in tokenizer.eos_token_ids]
+            ids = [t for t in tokenizer.encode(cfg.null.text) if t not in tokenizer.eos_token_ids]
             facts = _NullFacts(cfg.null.num_blocks, cfg.null.block_size, cfg.null.max_model_len)
             return NullExecutor(scheduler=scheduler_inbox, token_cycle=ids), facts
         spec = cfg.worker

@@ -191,8 +191,9 @@ class ServerInfo:
 
 @dataclass(frozen=True)
 class WorkerStatus:
-    state: str  # starting | ready | restarting | failed | null
+    state: str  # starting | ready | restarting | failed
     restarts: int = 0
+    pid: int = 0  # the worker process, 0 when there is none (null executor)
 
 
 @dataclass(frozen=True)
@@ -300,6 +301,7 @@ class WorkerReady:
     """Executor -> Scheduler: a (re)started worker passed its health check."""
 
     restarts: int
+    pid: int = 0
 
 
 @dataclass(frozen=True)

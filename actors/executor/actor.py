@@ -120,7 +120,7 @@ class Executor(Actor):
                     healthy = True
                     failed_starts, backoff = 0, self.spec.backoff_initial
                     self.state = "ready"
-                    self.scheduler.put(m.WorkerReady(self.restarts))
+                    self.scheduler.put(m.WorkerReady(self.restarts, self.pid or 0))
                     if first:
                         first = False
                         task_status.started()

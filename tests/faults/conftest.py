@@ -1,0 +1,16 @@
+"""Fault tests share the in-process daemon fixtures of the end-to-end suite."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "sluice_e2e_fixtures", Path(__file__).parent.parent / "e2e" / "conftest.py"
+)
+_e2e = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_e2e)
+
+null_daemon = _e2e.null_daemon
+assert_drained_and_consistent = _e2e.assert_drained_and_consistent
+start_daemon_process = _e2e.start_daemon_process
