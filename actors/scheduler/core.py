@@ -133,13 +133,13 @@ class Scheduler(LifecycleMixin, InspectionMixin):
                 f"prompt_token_ids: {n} tokens do not fit the KV pool "
                 f"({bm.num_total_blocks * bm.block_size} tokens)"
             )
-        if self.config.admission == "reserve":
-            total = min(n + request.sampling.max_tokens, self.max_model_len)
-            if bm.blocks_for(total) > bm.num_total_blocks:
-                raise TooLong(
-                    f"max_tokens: prompt + max_tokens = {total} tokens cannot be reserved in "
-                    f"the KV pool ({bm.num_total_blocks * bm.block_size} tokens)"
-                )
+        # a request must be able to finish alone, or it would be preempted forever
+        total = min(n + request.sampling.max_tokens, self.max_model_len)
+        if bm.blocks_for(total) > bm.num_total_blocks:
+            raise TooLong(
+                f"max_tokens: prompt + max_tokens = {total} tokens do not fit "
+                f"the KV pool ({bm.num_total_blocks * bm.block_size} tokens)"
+            )
         limits = self.config.tenant(request.tenant)
         if limits.max_new_tokens is not None and request.sampling.max_tokens > limits.max_new_tokens:
             raise Quota(

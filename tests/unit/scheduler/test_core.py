@@ -252,3 +252,10 @@ def test_invariant_check_catches_a_leak(make_sched):
     sched.get_request("a").block_ids.pop()
     with pytest.raises(AssertionError, match="holds"):
         sched.check_invariants()
+
+
+def test_request_that_cannot_finish_alone_in_the_pool_is_too_long(make_sched):
+    sched = make_sched(kv_blocks=4, block_size=4)
+    with pytest.raises(TooLong, match="max_tokens"):
+        sched.add_request(req("a", prompt_len=8, max_tokens=9))
+    sched.add_request(req("b", prompt_len=8, max_tokens=8))

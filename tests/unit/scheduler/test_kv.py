@@ -74,9 +74,9 @@ def test_prefix_caching_off_computes_everything(make_sched):
 def test_decode_out_of_kv_preempts_lowest_priority_then_latest(make_sched, clock):
     sched = make_sched(block_size=2, kv_blocks=6, max_prefill_chunk=64, policy="priority",
                        kv_high_watermark=1.0, kv_low_watermark=1.0, enable_prefix_caching=False)
-    sched.add_request(req("vip", prompt_len=4, max_tokens=20, priority=5, arrival=0.0))
-    sched.add_request(req("old", prompt_len=4, max_tokens=20, arrival=1.0, first=50))
-    sched.add_request(req("new", prompt_len=4, max_tokens=20, arrival=2.0, first=90))
+    sched.add_request(req("vip", prompt_len=4, max_tokens=8, priority=5, arrival=0.0))
+    sched.add_request(req("old", prompt_len=4, max_tokens=8, arrival=1.0, first=50))
+    sched.add_request(req("new", prompt_len=4, max_tokens=8, arrival=2.0, first=90))
     step(sched)  # 2 blocks each: the pool is full
     assert sched.block_manager.num_available_blocks == 0
     step(sched)  # everyone needs a third block for position 3
@@ -126,7 +126,7 @@ def test_preempted_request_recomputes_and_keeps_its_tokens(make_sched):
 def test_high_watermark_stops_admission_until_below_low(make_sched):
     sched = make_sched(block_size=4, kv_blocks=10, kv_high_watermark=0.5, kv_low_watermark=0.3,
                        max_prefill_chunk=64)
-    sched.add_request(req("a", prompt_len=20, max_tokens=30))  # 5 blocks = 50%
+    sched.add_request(req("a", prompt_len=20, max_tokens=16))  # 5 blocks = 50%
     step(sched)
     sched.add_request(req("b", prompt_len=4, max_tokens=2, first=60))
     step(sched)
