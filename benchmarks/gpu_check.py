@@ -107,7 +107,7 @@ def copy_bandwidth(device: torch.device, smoke: bool) -> float:
 
 
 def bandwidth_section(device: torch.device, smoke: bool) -> dict:
-    from sluice.kernels import attention
+    from sluice.kernels import attention, checks
     from sluice.kernels.testing import PagedBatch
 
     heads, kv_heads, head_dim, block_size = (4, 2, 64, 16) if smoke else (32, 8, 128, 16)
@@ -131,15 +131,17 @@ def bandwidth_section(device: torch.device, smoke: bool) -> dict:
                 seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
                 scale=head_dim ** -0.5)
             out = torch.empty_like(step.query)
-            attention.check_arguments(*step.attention_args())
+            checks.check_attention_arguments(*step.attention_args())
             ms = timed_ms(lambda: attention.launch_paged_attention(out, *step.attention_args()),
                           device)
             element = key_cache.element_size()
             moved = (2 * batch * context * kv_heads * head_dim * element  # K and V read
                      + 2 * step.query.numel() * element)  # q read, out written
             achieved = moved / (ms * 1e-3)
-            results.append(dict(batch=batch, context=context, ms=ms, bytes=moved,
-                                bytes_per_s=achieved, fraction_of_copy=achieved / copy))
+            splits = attention.choose_num_splits(device, batch * kv_heads)
+            results.append(dict(batch=batch, context=context, splits=splits, ms=ms,
+                                bytes=moved, bytes_per_s=achieved,
+                                fraction_of_copy=achieved / copy))
         del key_cache, value_cache
     target = next((r for r in results if r["batch"] == 64 and r["context"] == 2048), None)
     return dict(dtype=DTYPE_NAMES[dtype], heads=heads, kv_heads=kv_heads, head_dim=head_dim,

@@ -12,15 +12,13 @@ The torch twin with the same signature is `sluice.kernels.reference.paged_attent
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from sluice.kernels import checks
 
-__all__ = ["paged_attention", "launch_paged_attention"]
+__all__ = ["paged_attention", "launch_paged_attention", "choose_num_splits"]
 
 _LOG2E = 1.4426950408889634
 
@@ -42,11 +40,13 @@ def _find_sequence(QueryStartLoc, num_seqs, q_tile, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    Out, Query, KeyCache, ValueCache, BlockTables, QueryStartLoc, SeqLens,
+    Out, PartialOut, PartialMax, PartialSum,
+    Query, KeyCache, ValueCache, BlockTables, QueryStartLoc, SeqLens,
     scale_log2,
     num_seqs,
     stride_qt, stride_qh,
     stride_ot, stride_oh,
+    stride_pt, stride_ph,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_table,
@@ -55,10 +55,12 @@ def _paged_attention_kernel(
     QUERIES_PER_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = _find_sequence(QueryStartLoc, num_seqs, q_tile, BLOCK_Q)
 
     q_start = tl.load(QueryStartLoc + seq).to(tl.int64)
@@ -85,6 +87,10 @@ def _paged_attention_kernel(
 
     # keys past the tile's last query are never visible to it
     keys_needed = tl.minimum(context_before + (local_tile + 1) * BLOCK_Q, seq_len)
+    # with NUM_SPLITS > 1 each program takes one contiguous share of the key tiles
+    tiles_per_split = tl.cdiv(tl.cdiv(keys_needed, TILE_N), NUM_SPLITS)
+    keys_from = split * tiles_per_split * TILE_N
+    keys_to = tl.minimum(keys_from + tiles_per_split * TILE_N, keys_needed)
     table = BlockTables + seq.to(tl.int64) * stride_table
     key_base = KeyCache + kv_head.to(tl.int64) * stride_kh
     value_base = ValueCache + kv_head.to(tl.int64) * stride_vh
@@ -93,9 +99,9 @@ def _paged_attention_kernel(
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     cols = tl.arange(0, TILE_N)
-    for tile_start in range(0, keys_needed, TILE_N):
+    for tile_start in range(keys_from, keys_to, TILE_N):
         key_pos = tile_start + cols
-        key_valid = key_pos < keys_needed
+        key_valid = key_pos < keys_to
         block_ids = tl.load(table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         in_block = (key_pos % BLOCK_SIZE).to(tl.int64)
 
@@ -110,10 +116,11 @@ def _paged_attention_kernel(
         visible = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
 
-        # every row sees key 0 in the first tile, so the running max is finite from then on
+        # a row that has seen no visible key yet keeps max -inf; subtract 0 then, not -inf
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        probs = tl.exp2(scores - new_max[:, None])
-        correction = tl.exp2(running_max - new_max)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.exp2(scores - shift[:, None])
+        correction = tl.exp2(running_max - shift)
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
         acc = acc * correction[:, None]
 
@@ -126,13 +133,45 @@ def _paged_attention_kernel(
             acc += tl.dot(probs.to(v.dtype), v)
         running_max = new_max
 
-    out = acc / running_sum[:, None]
-    o_offsets = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + dims[None, :]
-    tl.store(Out + o_offsets, out.to(Out.dtype.element_ty),
-             mask=row_valid[:, None] & dim_valid[None, :])
+    store_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / running_sum[:, None]
+        o_offsets = (token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh
+                     + dims[None, :])
+        tl.store(Out + o_offsets, out.to(Out.dtype.element_ty), mask=store_mask)
+    else:
+        # partials [token, head, split, ...]: unnormalised acc, and its max and sum
+        row = token * stride_pt + head.to(tl.int64) * stride_ph + split
+        tl.store(PartialMax + row, running_max, mask=row_valid)
+        tl.store(PartialSum + row, running_sum, mask=row_valid)
+        tl.store(PartialOut + row[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=store_mask)
 
 
-_validated_metadata = checks.ValidatedValues()
+@triton.jit
+def _merge_splits_kernel(
+    Out, PartialOut, PartialMax, PartialSum,
+    stride_ot, stride_oh,
+    stride_pt, stride_ph,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    row = token * stride_pt + head * stride_ph + splits
+    split_valid = splits < NUM_SPLITS
+    maxes = tl.load(PartialMax + row, mask=split_valid, other=float("-inf"))
+    sums = tl.load(PartialSum + row, mask=split_valid, other=0.0)
+    accs = tl.load(PartialOut + row[:, None] * HEAD_DIM_PAD + dims[None, :],
+                   mask=split_valid[:, None], other=0.0)
+    # the first split always holds key 0, so the overall max is finite
+    overall = tl.max(maxes, axis=0)
+    weights = tl.exp2(maxes - overall)
+    total = tl.sum(sums * weights, axis=0)
+    out = tl.sum(accs * weights[:, None], axis=0) / total
+    tl.store(Out + token * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty),
+             mask=dims < HEAD_DIM)
 
 
 def paged_attention(
@@ -152,8 +191,8 @@ def paged_attention(
     block_tables [num_seqs, max_blocks] maps each sequence's logical blocks to pool blocks.
     Returns a new tensor shaped and typed like query.
     """
-    check_arguments(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                    scale)
+    checks.check_attention_arguments(query, key_cache, value_cache, block_tables,
+                                     query_start_loc, seq_lens, scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     launch_paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
                            seq_lens, scale)
@@ -161,155 +200,79 @@ def paged_attention(
 
 
 def launch_paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                           seq_lens, scale: float) -> None:
-    """Launch the kernel into `out` without checking anything (benchmarks call this)."""
+                           seq_lens, scale: float, num_splits: int | None = None) -> None:
+    """Launch into `out` without checking anything (benchmarks and tests call this).
+
+    `num_splits` > 1 divides each sequence's keys among that many programs and merges their
+    partial softmaxes in a second kernel; None picks it from the batch and the device.
+    """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return
     _, block_size, kv_heads, _ = key_cache.shape
     queries_per_kv = num_heads // kv_heads
-    # all-decode steps have one query token per sequence: a 16-row tile wastes least there
-    base_rows = 16 if num_tokens == num_seqs else 64
-    block_m = max(base_rows, triton.next_power_of_2(queries_per_kv))
+    all_decodes = num_tokens == num_seqs  # then every sequence has exactly one query token
+    # a decode fills one row per head of the group: a 16-row tile wastes least there
+    block_m = max(16 if all_decodes else 64, triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
-    grid = (num_tokens // block_q + num_seqs, kv_heads)
+    if num_splits is None:
+        num_splits = choose_num_splits(query.device, num_seqs * kv_heads) if all_decodes else 1
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        partial_out = torch.empty((num_tokens, num_heads, num_splits, head_dim_pad),
+                                  dtype=torch.float32, device=query.device)
+        partial_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
+                                  device=query.device)
+        partial_sum = torch.empty_like(partial_max)
+    else:
+        partial_out = partial_max = partial_sum = out  # never touched
+    grid = (num_tokens // block_q + num_seqs, kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+        out, partial_out, partial_max, partial_sum,
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
         scale * _LOG2E,
         num_seqs,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
+        num_heads * num_splits, num_splits,
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=block_m, BLOCK_Q=block_q,
         TILE_N=max(32, block_size) if head_dim <= 128 else 32,
+        NUM_SPLITS=num_splits,
         DOT_IN_FP32=_dot_in_fp32(query.dtype),
     )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, partial_out, partial_max, partial_sum,
+            out.stride(0), out.stride(1),
+            num_heads * num_splits, num_splits,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )
+
+
+MAX_SPLITS = 16
+_sm_counts: dict[int, int] = {}
+
+
+def choose_num_splits(device: torch.device, programs: int) -> int:
+    """Enough key splits for a small decode batch to cover every SM about twice over."""
+    if device.type != "cuda":
+        return 1  # the interpreter gains nothing from splitting
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    wanted = -(-2 * _sm_counts[index] // programs)
+    return 1 if wanted <= 1 else min(MAX_SPLITS, triton.next_power_of_2(wanted))
 
 
 def _dot_in_fp32(dtype: torch.dtype) -> bool:
     # fp32 needs IEEE products (no TF32) to match the reference; the CPU interpreter
     # multiplies bf16 bit patterns as integers, so it gets fp32 operands instead
     return dtype == torch.float32 or (dtype == torch.bfloat16 and checks.interpreting())
-
-
-def check_arguments(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                    scale) -> None:
-    """Raise TypeError/ValueError naming the argument the kernel cannot take as given."""
-    checks.require_tensor("query", query, 3)
-    checks.require_tensor("key_cache", key_cache, 4)
-    checks.require_tensor("value_cache", value_cache, 4)
-    checks.require_tensor("block_tables", block_tables, 2)
-    checks.require_tensor("query_start_loc", query_start_loc, 1)
-    checks.require_tensor("seq_lens", seq_lens, 1)
-    checks.require_same_device({
-        "query": query, "key_cache": key_cache, "value_cache": value_cache,
-        "block_tables": block_tables, "query_start_loc": query_start_loc, "seq_lens": seq_lens,
-    })
-
-    checks.require_dtype("query", query, checks.FLOAT_DTYPES)
-    checks.require_same_dtype("key_cache", key_cache, "query", query)
-    checks.require_same_dtype("value_cache", value_cache, "query", query)
-    checks.require_dtype("block_tables", block_tables, checks.INDEX_DTYPES)
-    checks.require_dtype("query_start_loc", query_start_loc, checks.INDEX_DTYPES)
-    checks.require_dtype("seq_lens", seq_lens, checks.INDEX_DTYPES)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) \
-            or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
-
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache has shape {tuple(value_cache.shape)} but key_cache has "
-                         f"{tuple(key_cache.shape)}")
-    num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, kv_heads, cache_head_dim = key_cache.shape
-    if head_dim != cache_head_dim:
-        raise ValueError(f"query has head_dim {head_dim} but key_cache has {cache_head_dim}")
-    if head_dim > 256:
-        raise ValueError(f"query head_dim {head_dim} is larger than the kernel's 256")
-    if kv_heads == 0 or num_heads % kv_heads != 0:
-        raise ValueError(f"query has {num_heads} heads, not a multiple of key_cache's "
-                         f"{kv_heads} KV heads")
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"key_cache block_size must be a power of two, got {block_size}")
-    num_seqs = seq_lens.shape[0]
-    if query_start_loc.shape[0] != num_seqs + 1:
-        raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries; "
-                         f"seq_lens has {num_seqs} sequences, so it needs {num_seqs + 1}")
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} "
-                         "sequences in seq_lens")
-
-    checks.require_unit_inner_stride("query", query)
-    checks.require_contiguous("key_cache", key_cache)
-    checks.require_contiguous("value_cache", value_cache)
-    checks.require_contiguous("block_tables", block_tables)
-    checks.require_contiguous("query_start_loc", query_start_loc)
-    checks.require_contiguous("seq_lens", seq_lens)
-
-    def validate() -> None:
-        _check_metadata_values(block_tables, query_start_loc, seq_lens, num_tokens,
-                               num_blocks, block_size)
-
-    _validated_metadata.check([block_tables, query_start_loc, seq_lens],
-                              (num_tokens, num_blocks, block_size), validate)
-
-
-def _check_metadata_values(block_tables, query_start_loc, seq_lens, num_tokens, num_blocks,
-                           block_size) -> None:
-    """All value checks in one device-to-host copy; the slow hunt for details only on failure."""
-    if seq_lens.shape[0] == 0:
-        if num_tokens != 0:
-            raise ValueError(f"query has {num_tokens} tokens but seq_lens holds no sequence")
-        return
-    starts = query_start_loc.long()
-    lengths = seq_lens.long()
-    q_lens = starts[1:] - starts[:-1]
-    capacity = block_tables.shape[1] * block_size
-    blocks_used = (lengths + block_size - 1) // block_size
-    cols = torch.arange(block_tables.shape[1], device=block_tables.device)
-    used = cols[None, :] < blocks_used[:, None]
-    ids = block_tables.long()
-    bad_ids = used & ((ids < 0) | (ids >= num_blocks))
-    flags = torch.stack([
-        starts[0] != 0,
-        starts[-1] != num_tokens,
-        (q_lens < 0).any(),
-        (lengths < 0).any(),
-        (q_lens > lengths).any(),
-        (lengths > capacity).any(),
-        bad_ids.any(),
-    ]).tolist()
-    if not any(flags):
-        return
-
-    def first(mask: torch.Tensor) -> int:
-        return int(mask.nonzero()[0, 0])
-
-    if flags[0]:
-        raise ValueError(f"query_start_loc must start at 0, got {int(starts[0])}")
-    if flags[1]:
-        raise ValueError(f"query_start_loc must end at the query's {num_tokens} tokens, got "
-                         f"{int(starts[-1])}")
-    if flags[2]:
-        raise ValueError(f"query_start_loc must be non-decreasing; it falls after sequence "
-                         f"{first(q_lens < 0)}")
-    if flags[3]:
-        i = first(lengths < 0)
-        raise ValueError(f"seq_lens[{i}] is negative ({int(lengths[i])})")
-    if flags[4]:
-        i = first(q_lens > lengths)
-        raise ValueError(f"sequence {i} has {int(q_lens[i])} query tokens but seq_lens[{i}] "
-                         f"is only {int(lengths[i])}")
-    if flags[5]:
-        i = first(lengths > capacity)
-        raise ValueError(f"seq_lens[{i}] = {int(lengths[i])} exceeds the {capacity} tokens "
-                         f"block_tables can address ({block_tables.shape[1]} blocks of "
-                         f"{block_size})")
-    row, col = (int(x) for x in bad_ids.nonzero()[0])
-    raise ValueError(f"block_tables[{row}, {col}] = {int(ids[row, col])} is outside the pool "
-                     f"of {num_blocks} blocks")

@@ -10,6 +10,7 @@ Nothing here imports triton.
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -103,3 +104,123 @@ class ValidatedValues:
         self._refs = tuple(weakref.ref(t) for t in tensors)
         self._versions = versions
         self._extra = extra
+
+
+_validated_attention_metadata = ValidatedValues()
+
+
+def check_attention_arguments(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                    scale) -> None:
+    """Raise TypeError/ValueError naming the argument the kernel cannot take as given."""
+    require_tensor("query", query, 3)
+    require_tensor("key_cache", key_cache, 4)
+    require_tensor("value_cache", value_cache, 4)
+    require_tensor("block_tables", block_tables, 2)
+    require_tensor("query_start_loc", query_start_loc, 1)
+    require_tensor("seq_lens", seq_lens, 1)
+    require_same_device({
+        "query": query, "key_cache": key_cache, "value_cache": value_cache,
+        "block_tables": block_tables, "query_start_loc": query_start_loc, "seq_lens": seq_lens,
+    })
+
+    require_dtype("query", query, FLOAT_DTYPES)
+    require_same_dtype("key_cache", key_cache, "query", query)
+    require_same_dtype("value_cache", value_cache, "query", query)
+    require_dtype("block_tables", block_tables, INDEX_DTYPES)
+    require_dtype("query_start_loc", query_start_loc, INDEX_DTYPES)
+    require_dtype("seq_lens", seq_lens, INDEX_DTYPES)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) \
+            or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache has shape {tuple(value_cache.shape)} but key_cache has "
+                         f"{tuple(key_cache.shape)}")
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, kv_heads, cache_head_dim = key_cache.shape
+    if head_dim != cache_head_dim:
+        raise ValueError(f"query has head_dim {head_dim} but key_cache has {cache_head_dim}")
+    if head_dim > 256:
+        raise ValueError(f"query head_dim {head_dim} is larger than the kernel's 256")
+    if kv_heads == 0 or num_heads % kv_heads != 0:
+        raise ValueError(f"query has {num_heads} heads, not a multiple of key_cache's "
+                         f"{kv_heads} KV heads")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"key_cache block_size must be a power of two, got {block_size}")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries; "
+                         f"seq_lens has {num_seqs} sequences, so it needs {num_seqs + 1}")
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} "
+                         "sequences in seq_lens")
+
+    require_unit_inner_stride("query", query)
+    require_contiguous("key_cache", key_cache)
+    require_contiguous("value_cache", value_cache)
+    require_contiguous("block_tables", block_tables)
+    require_contiguous("query_start_loc", query_start_loc)
+    require_contiguous("seq_lens", seq_lens)
+
+    def validate() -> None:
+        _check_metadata_values(block_tables, query_start_loc, seq_lens, num_tokens,
+                               num_blocks, block_size)
+
+    _validated_attention_metadata.check([block_tables, query_start_loc, seq_lens],
+                              (num_tokens, num_blocks, block_size), validate)
+
+
+def _check_metadata_values(block_tables, query_start_loc, seq_lens, num_tokens, num_blocks,
+                           block_size) -> None:
+    """All value checks in one device-to-host copy; the slow hunt for details only on failure."""
+    if seq_lens.shape[0] == 0:
+        if num_tokens != 0:
+            raise ValueError(f"query has {num_tokens} tokens but seq_lens holds no sequence")
+        return
+    starts = query_start_loc.long()
+    lengths = seq_lens.long()
+    q_lens = starts[1:] - starts[:-1]
+    capacity = block_tables.shape[1] * block_size
+    blocks_used = (lengths + block_size - 1) // block_size
+    cols = torch.arange(block_tables.shape[1], device=block_tables.device)
+    used = cols[None, :] < blocks_used[:, None]
+    ids = block_tables.long()
+    bad_ids = used & ((ids < 0) | (ids >= num_blocks))
+    flags = torch.stack([
+        starts[0] != 0,
+        starts[-1] != num_tokens,
+        (q_lens < 0).any(),
+        (lengths < 0).any(),
+        (q_lens > lengths).any(),
+        (lengths > capacity).any(),
+        bad_ids.any(),
+    ]).tolist()
+    if not any(flags):
+        return
+
+    def first(mask: torch.Tensor) -> int:
+        return int(mask.nonzero()[0, 0])
+
+    if flags[0]:
+        raise ValueError(f"query_start_loc must start at 0, got {int(starts[0])}")
+    if flags[1]:
+        raise ValueError(f"query_start_loc must end at the query's {num_tokens} tokens, got "
+                         f"{int(starts[-1])}")
+    if flags[2]:
+        raise ValueError(f"query_start_loc must be non-decreasing; it falls after sequence "
+                         f"{first(q_lens < 0)}")
+    if flags[3]:
+        i = first(lengths < 0)
+        raise ValueError(f"seq_lens[{i}] is negative ({int(lengths[i])})")
+    if flags[4]:
+        i = first(q_lens > lengths)
+        raise ValueError(f"sequence {i} has {int(q_lens[i])} query tokens but seq_lens[{i}] "
+                         f"is only {int(lengths[i])}")
+    if flags[5]:
+        i = first(lengths > capacity)
+        raise ValueError(f"seq_lens[{i}] = {int(lengths[i])} exceeds the {capacity} tokens "
+                         f"block_tables can address ({block_tables.shape[1]} blocks of "
+                         f"{block_size})")
+    row, col = (int(x) for x in bad_ids.nonzero()[0])
+    raise ValueError(f"block_tables[{row}, {col}] = {int(ids[row, col])} is outside the pool "
+                     f"of {num_blocks} blocks")

@@ -111,3 +111,22 @@ def test_dispatch_override_routes_cpu_tensors_to_triton(monkeypatch):
     want = kernels.paged_attention(*batch.attention_args())
     assert calls == [1]
     torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0.0)
+
+
+@pytest.mark.parametrize("shape, num_splits", [
+    (decode_shape((6, 2)), 3),
+    (decode_shape((8, 1), block_size=32), 4),
+    (decode_shape((2, 2), head_dim=128), 2),
+    # prefill rows see no key at all in later splits: the merge must weigh those as nothing
+    (mixed_shape((6, 2)), 2),
+], ids=lambda value: value.name if hasattr(value, "name") else str(value))
+def test_split_keys_merge_to_the_reference(shape, num_splits):
+    batch = random_paged_batch(shape, seed=17)
+    got = torch.full_like(batch.query, float("nan"))
+    attention.launch_paged_attention(got, *batch.attention_args(), num_splits=num_splits)
+    torch.testing.assert_close(got, reference.paged_attention(*batch.attention_args()),
+                               atol=FP32_ATOL, rtol=0.0)
+
+
+def test_cpu_launches_do_not_split():
+    assert attention.choose_num_splits(torch.device("cpu"), programs=1) == 1
