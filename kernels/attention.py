@@ -23,22 +23,8 @@ __all__ = ["paged_attention", "launch_paged_attention", "choose_num_splits"]
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def _find_sequence(QueryStartLoc, num_seqs, q_tile, BLOCK_Q: tl.constexpr):
-    """The last sequence whose first query tile (start // BLOCK_Q + index) is <= q_tile."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = tl.load(QueryStartLoc + mid) // BLOCK_Q + mid
-        if first_tile <= q_tile:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@triton.jit
+# num_seqs is a loop bound of the binary search: never let a batch of one make it a constant
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     Out, PartialOut, PartialMax, PartialSum,
     Query, KeyCache, ValueCache, BlockTables, QueryStartLoc, SeqLens,
@@ -61,7 +47,17 @@ def _paged_attention_kernel(
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_sequence(QueryStartLoc, num_seqs, q_tile, BLOCK_Q)
+    # binary search for the last sequence whose first query tile (start // BLOCK_Q + index)
+    # is <= q_tile; inline, since the interpreter pays dearly for every nested jit call
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(QueryStartLoc + mid) // BLOCK_Q + mid <= q_tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
 
     q_start = tl.load(QueryStartLoc + seq).to(tl.int64)
     q_len = (tl.load(QueryStartLoc + seq + 1) - q_start).to(tl.int32)
@@ -88,7 +84,8 @@ def _paged_attention_kernel(
     # keys past the tile's last query are never visible to it
     keys_needed = tl.minimum(context_before + (local_tile + 1) * BLOCK_Q, seq_len)
     # with NUM_SPLITS > 1 each program takes one contiguous share of the key tiles
-    tiles_per_split = tl.cdiv(tl.cdiv(keys_needed, TILE_N), NUM_SPLITS)
+    tiles = (keys_needed + TILE_N - 1) // TILE_N
+    tiles_per_split = (tiles + NUM_SPLITS - 1) // NUM_SPLITS
     keys_from = split * tiles_per_split * TILE_N
     keys_to = tl.minimum(keys_from + tiles_per_split * TILE_N, keys_needed)
     table = BlockTables + seq.to(tl.int64) * stride_table
