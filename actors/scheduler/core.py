@@ -72,6 +72,8 @@ class Scheduler(LifecycleMixin, InspectionMixin):
         self._pending_outputs: list[RequestOutput] = []
         self._preemptions_at_start = 0
         self._last_schedule_time: float | None = None
+        self._planned_prefill = self._planned_decodes = 0
+        self.last_step: dict[str, float] = {}  # composition of the latest plan, for snapshots
         self._iteration_seconds = 0.0  # between the last two schedule() calls, for aging
 
     # -- admission ------------------------------------------------------------------------
@@ -171,6 +173,7 @@ class Scheduler(LifecycleMixin, InspectionMixin):
         cfg = self.config
         self._seqs = {}
         self._budget = float(cfg.token_budget)
+        self._planned_prefill = self._planned_decodes = 0
         self._preemptions_at_start = self.num_preemptions
         if cfg.order == "decode_first":
             self._schedule_decodes()
@@ -184,6 +187,13 @@ class Scheduler(LifecycleMixin, InspectionMixin):
             self._schedule_decodes()
         plan = StepPlan(step_id=self._step_id, seqs=list(self._seqs.values()))
         self._seqs = {}
+        self.last_step = {
+            "seqs": len(plan.seqs),
+            "prefill_tokens": self._planned_prefill,
+            "decode_tokens": self._planned_decodes,
+            "budget_used": cfg.token_budget - self._budget,
+            "token_budget": cfg.token_budget,
+        }
         return plan
 
     def _schedule_decodes(self) -> None:
@@ -202,6 +212,7 @@ class Scheduler(LifecycleMixin, InspectionMixin):
                     continue
             self._emit(request, start, 1, decode=True)
             self._budget -= w_d
+            self._planned_decodes += 1
 
     def _schedule_prefills(self, now: float) -> None:
         cfg = self.config
@@ -249,11 +260,14 @@ class Scheduler(LifecycleMixin, InspectionMixin):
                     return False
                 missing = bm.blocks_for(start + n) - len(request.block_ids)
                 if missing > 0:
+                    self._charge_kv(request)
                     request.block_ids.extend(bm.allocate(missing))
         elif missing > 0:
+            self._charge_kv(request)
             request.block_ids.extend(bm.allocate(missing))
         self._emit(request, start, n, decode=False)
         self._budget -= cfg.prefill_weight * n
+        self._planned_prefill += n
         return True
 
     def _emit(self, request: Request, start: int, n: int, *, decode: bool) -> None:
@@ -299,6 +313,7 @@ class Scheduler(LifecycleMixin, InspectionMixin):
                     self._preempt(request)
                 return False
             self._preempt(victim)
+        self._charge_kv(request)
         request.block_ids.extend(bm.allocate(num_blocks))
         return True
 
@@ -331,6 +346,7 @@ class Scheduler(LifecycleMixin, InspectionMixin):
         if cfg.admission == "reserve":
             request.reserved_blocks = bm.blocks_for(request.max_total_tokens)
             self._reserved_blocks += request.reserved_blocks
+        request.kv_since = self.clock()
         request.block_ids = hits
         request.num_computed_tokens = start
         if request.max_computed_tokens == 0:

@@ -111,6 +111,7 @@ class InspectionMixin:
                 "block_size": bm.block_size,
                 "prefix_cache_hit_ratio": bm.cache_hits / bm.cache_queries if bm.cache_queries else 0.0,
             },
+            "last_step": dict(self.last_step),
             "preemptions": self.num_preemptions,
             "rejected": self.num_rejected,
             "ended": dict(self.ended_by_reason),
@@ -128,6 +129,7 @@ class InspectionMixin:
                     "cached_tokens": t.cached_tokens,
                     "recomputed_tokens": t.recomputed_tokens,
                     "preemptions": t.preemptions,
+                    "kv_block_seconds": t.kv_block_seconds,
                     "finished": t.finished,
                     "rejected": t.rejected,
                 }

@@ -121,6 +121,7 @@ class LifecycleMixin:
 
     def _drop_kv(self: Scheduler, request: Request, *, free: bool = True) -> None:
         """Release the request's blocks and forget what was computed into them."""
+        self._charge_kv(request)
         if free and request.block_ids:
             self.block_manager.free(request.block_ids)
         request.block_ids = []  # a new list: plans already handed out keep their tables
@@ -131,9 +132,20 @@ class LifecycleMixin:
         if seq is not None:  # planned earlier in this very iteration: give its budget back
             if request.last_chunk_was_decode:
                 self._budget += self.config.decode_weight
+                self._planned_decodes -= 1
             else:
                 self._budget += self.config.prefill_weight * len(seq.token_ids)
+                self._planned_prefill -= len(seq.token_ids)
         request.scheduled_step = -1
+
+    def _charge_kv(self: Scheduler, request: Request) -> None:
+        """Add the block-seconds of the blocks held since the last change to the request's cost."""
+        now = self.clock()
+        if request.block_ids:
+            cost = len(request.block_ids) * (now - request.kv_since)
+            request.kv_block_seconds += cost
+            self.tenants[request.tenant].kv_block_seconds += cost
+        request.kv_since = now
 
     def _preempt(self: Scheduler, request: Request) -> None:
         """Release a running (or paused) request's KV; it recomputes when admitted again."""

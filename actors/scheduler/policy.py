@@ -28,6 +28,7 @@ class TenantState:
     recomputed_tokens: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
+    kv_block_seconds: float = 0.0
     live: int = 0  # requests not ended (waiting, running, paused or preempted)
     waiting: int = 0
     running: int = 0  # requests holding KV (prefilling or decoding), not counting paused

@@ -57,6 +57,8 @@ class Request:
     num_recomputed_tokens: int = field(default=0, init=False)
     num_prefill_tokens: int = field(default=0, init=False)  # computed prompt-side tokens, once
     num_decode_tokens: int = field(default=0, init=False)
+    kv_block_seconds: float = field(default=0.0, init=False)  # KV held over time: its memory cost
+    kv_since: float = field(default=0.0, init=False)  # when block_ids last changed
     # the most tokens whose KV this request ever had: computing below it again is recompute
     max_computed_tokens: int = field(default=0, init=False)
     sampling_seed: int = field(default=0, init=False)

@@ -187,3 +187,25 @@ def test_requeue_all_recomputes_everyone_keeping_generated_tokens(make_sched):
     assert sched.get_request("c").state is RequestState.PREEMPTED
     run_to_end(sched)
     assert sched.block_manager.num_used_blocks == 0
+
+
+def test_kv_block_seconds_are_charged_to_request_and_tenant(make_sched, clock):
+    sched = make_sched(block_size=4)
+    sched.add_request(req("a", prompt_len=8, max_tokens=10, tenant="t"))
+    step(sched)  # two blocks from t=0
+    clock.now = 10.0
+    step(sched)  # position 8 needs a third block at t=10
+    clock.now = 15.0
+    sched.abort("a")
+    assert sched.get_request("a").kv_block_seconds == 2 * 10.0 + 3 * 5.0
+    assert sched.stats()["tenants"]["t"]["kv_block_seconds"] == 35.0
+
+
+def test_last_step_reports_the_batch_composition(make_sched):
+    sched = make_sched(token_budget=10, max_prefill_chunk=64)
+    sched.add_request(req("a", prompt_len=3, max_tokens=5))
+    step(sched)
+    sched.add_request(req("b", prompt_len=20, max_tokens=5, first=50))
+    step(sched)
+    assert sched.stats()["last_step"] == {"seqs": 2, "prefill_tokens": 9, "decode_tokens": 1,
+                                          "budget_used": 10.0, "token_budget": 10}
