@@ -33,8 +33,9 @@ def build(running: int, waiting: int, policy: str, prompt_len: int, iterations: 
         tenants={},
     )
     sched = Scheduler(config, max_model_len=tokens_per_seq + 1)
-    sampling = SamplingParams(max_tokens=tokens_per_seq - prompt_len, temperature=0.0,
-                              ignore_eos=True)
+    sampling = SamplingParams(
+        max_tokens=tokens_per_seq - prompt_len, temperature=0.0, ignore_eos=True
+    )
     for i in range(running + waiting):
         prompt = [(i * 7919 + j) % 50_000 for j in range(prompt_len)]
         sched.add_request(Request(f"r{i}", prompt, sampling, tenant=f"t{i % 4}"))
@@ -86,10 +87,13 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"scheduler iteration with {result['running']} running, {result['waiting']} waiting "
-              f"({args.policy}): mean {result['ms_per_iteration_mean']:.3f} ms, "
-              f"p50 {result['ms_per_iteration_p50']:.3f} ms, p99 {result['ms_per_iteration_p99']:.3f} ms, "
-              f"CPU mean {result['cpu_ms_per_iteration_mean']:.3f} ms (target <= 1 ms)")
+        print(
+            f"scheduler iteration with {result['running']} running, {result['waiting']} waiting "
+            f"({args.policy}): mean {result['ms_per_iteration_mean']:.3f} ms, "
+            f"p50 {result['ms_per_iteration_p50']:.3f} ms, "
+            f"p99 {result['ms_per_iteration_p99']:.3f} ms, "
+            f"CPU mean {result['cpu_ms_per_iteration_mean']:.3f} ms (target <= 1 ms)"
+        )
 
 
 if __name__ == "__main__":

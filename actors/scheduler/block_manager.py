@@ -152,7 +152,9 @@ class BlockManager:
         if any(c < 0 for c in self._ref_counts):
             problems.append("negative reference count")
         if referenced & (free | evictable):
-            problems.append(f"referenced blocks on a free list: {sorted(referenced & (free | evictable))[:8]}")
+            problems.append(
+                f"referenced blocks on a free list: {sorted(referenced & (free | evictable))[:8]}"
+            )
         total = len(free) + len(evictable) + len(referenced)
         if total != n:
             lost = sorted(set(range(n)) - free - evictable - referenced)[:8]

@@ -83,8 +83,14 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not _is_number(value) or value <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {value!r}")
-        for name in ("max_prefill_chunk", "max_prefilling", "max_running", "kv_blocks",
-                     "block_size", "max_queued"):
+        for name in (
+            "max_prefill_chunk",
+            "max_prefilling",
+            "max_running",
+            "kv_blocks",
+            "block_size",
+            "max_queued",
+        ):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class Rejected(Exception):
-    """A request the scheduler will not take; `code` is the wire code, the message names the field."""
+    """A request the scheduler will not take: `code` goes on the wire, `message` names the field."""
 
     code = "rejected"
 

@@ -39,17 +39,24 @@ class InspectionMixin:
                     f"{request.num_computed_tokens} computed tokens, expected {expected}"
                 )
             places = [
-                name for name, here in (
+                name
+                for name, here in (
                     ("waiting", request.in_queue),
                     ("running", rid in self.running),
                     ("paused", rid in self.paused),
-                ) if here
+                )
+                if here
             ]
             if len(places) != 1:
                 problems.append(f"{rid} ({state.value}) is in {places or 'no queue'}")
             expected_place = (
-                "waiting" if state in _QUEUED else "running" if state in _HOLDING else
-                "paused" if state is RequestState.PAUSED else "none"
+                "waiting"
+                if state in _QUEUED
+                else "running"
+                if state in _HOLDING
+                else "paused"
+                if state is RequestState.PAUSED
+                else "none"
             )
             if places and places[0] != expected_place:
                 problems.append(f"{rid} is {state.value} but sits in {places[0]}")
@@ -70,9 +77,7 @@ class InspectionMixin:
                     f"block {block} has {bm.ref_count(block)} references but {count} owners"
                 )
         if sum(owners.values()) != sum(bm.ref_count(b) for b in range(bm.num_total_blocks)):
-            orphans = [
-                b for b in range(bm.num_total_blocks) if bm.ref_count(b) and b not in owners
-            ]
+            orphans = [b for b in range(bm.num_total_blocks) if bm.ref_count(b) and b not in owners]
             problems.append(f"referenced blocks owned by no live request: {orphans[:8]}")
         for tenant in self.tenants.values():
             live = [r for r in self.requests.values() if r.tenant == tenant.name]
@@ -97,8 +102,11 @@ class InspectionMixin:
         cfg = self.config
         return {
             "step": self._step_id,
-            "queues": {state.value: by_state.get(state.value, 0) for state in RequestState
-                       if not state.is_ended},
+            "queues": {
+                state.value: by_state.get(state.value, 0)
+                for state in RequestState
+                if not state.is_ended
+            },
             "kv": {
                 "total_blocks": bm.num_total_blocks,
                 "free_blocks": bm.num_free_blocks,
@@ -109,7 +117,9 @@ class InspectionMixin:
                 "low_watermark": cfg.kv_low_watermark,
                 "admission_open": self._admission_open,
                 "block_size": bm.block_size,
-                "prefix_cache_hit_ratio": bm.cache_hits / bm.cache_queries if bm.cache_queries else 0.0,
+                "prefix_cache_hit_ratio": bm.cache_hits / bm.cache_queries
+                if bm.cache_queries
+                else 0.0,
             },
             "last_step": dict(self.last_step),
             "preemptions": self.num_preemptions,

@@ -52,7 +52,9 @@ class Policy:
         """Choose among tenants that have an eligible request; `tops` pairs each with its key."""
         return min(tops, key=lambda item: item[1])[0]
 
-    def prefill_order(self, requests: list[Request], tenants: dict[str, TenantState]) -> list[Request]:
+    def prefill_order(
+        self, requests: list[Request], tenants: dict[str, TenantState]
+    ) -> list[Request]:
         """Order of the requests already prefilling, for this iteration's budget."""
         if len(requests) < 2:
             return requests
@@ -88,7 +90,9 @@ class FairPolicy(Policy):
     def pick_tenant(self, tops: Sequence[tuple[TenantState, tuple]]) -> TenantState:
         return min(tops, key=lambda item: (item[0].virtual_time, item[1]))[0]
 
-    def prefill_order(self, requests: list[Request], tenants: dict[str, TenantState]) -> list[Request]:
+    def prefill_order(
+        self, requests: list[Request], tenants: dict[str, TenantState]
+    ) -> list[Request]:
         if len(requests) < 2:
             return requests
         return sorted(requests, key=lambda r: (tenants[r.tenant].virtual_time, self.key(r)))

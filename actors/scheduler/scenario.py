@@ -15,12 +15,43 @@ from typing import Any
 
 from sluice.actors.scheduler.config import ConfigError, SchedulerConfig
 
-_TOP_LEVEL = {"scheduler", "cost", "simulation", "tenants", "requests", "generators", "name",
-              "description"}
-_REQUEST_KEYS = {"id", "tenant", "arrival_round", "arrival_time", "prompt", "output", "priority",
-                 "cancel_round", "cancel_time", "prefix", "prefix_len"}
-_GENERATOR_KEYS = {"id_prefix", "tenant", "count", "start_round", "start_time", "every_rounds",
-                   "every_seconds", "prompt", "output", "priority", "prefix", "prefix_len"}
+_TOP_LEVEL = {
+    "scheduler",
+    "cost",
+    "simulation",
+    "tenants",
+    "requests",
+    "generators",
+    "name",
+    "description",
+}
+_REQUEST_KEYS = {
+    "id",
+    "tenant",
+    "arrival_round",
+    "arrival_time",
+    "prompt",
+    "output",
+    "priority",
+    "cancel_round",
+    "cancel_time",
+    "prefix",
+    "prefix_len",
+}
+_GENERATOR_KEYS = {
+    "id_prefix",
+    "tenant",
+    "count",
+    "start_round",
+    "start_time",
+    "every_rounds",
+    "every_seconds",
+    "prompt",
+    "output",
+    "priority",
+    "prefix",
+    "prefix_len",
+}
 
 
 @dataclass(frozen=True)
@@ -32,7 +63,11 @@ class CostModel:
     per_decode_token: float = 1.0
 
     def round_seconds(self, prefill_tokens: int, decode_tokens: int) -> float:
-        return self.step + prefill_tokens * self.per_prefill_token + decode_tokens * self.per_decode_token
+        return (
+            self.step
+            + prefill_tokens * self.per_prefill_token
+            + decode_tokens * self.per_decode_token
+        )
 
 
 @dataclass(frozen=True)
@@ -101,8 +136,14 @@ class Scenario:
         if len(set(ids)) != len(ids):
             dup = sorted({i for i in ids if ids.count(i) > 1})[:3]
             raise ConfigError(f"requests: duplicate id(s) {', '.join(dup)}")
-        return cls(config, cost, requests, sim.get("max_rounds"), sim.get("max_time"),
-                   str(data.get("name", "scenario")))
+        return cls(
+            config,
+            cost,
+            requests,
+            sim.get("max_rounds"),
+            sim.get("max_time"),
+            str(data.get("name", "scenario")),
+        )
 
 
 def _tenant_table(raw: Any) -> dict[str, Any]:
@@ -160,9 +201,13 @@ def _expand_generator(index: int, raw: dict[str, Any]) -> list[SimRequest]:
             if key in raw:
                 item[key] = raw[key]
         if by_time:
-            item["arrival_time"] = float(raw.get("start_time", 0.0)) + i * float(raw.get("every_seconds", 0.0))
+            item["arrival_time"] = float(raw.get("start_time", 0.0)) + i * float(
+                raw.get("every_seconds", 0.0)
+            )
         else:
-            item["arrival_round"] = int(raw.get("start_round", 0)) + i * int(raw.get("every_rounds", 0))
+            item["arrival_round"] = int(raw.get("start_round", 0)) + i * int(
+                raw.get("every_rounds", 0)
+            )
         requests.append(_parse_request(index, item))
     return requests
 

@@ -66,7 +66,7 @@ class SimulationResult:
         ttfts, gaps = [], []
         for rid, trace in self.requests.items():
             times = trace.token_times
-            request_gaps = [b - a for a, b in zip(times, times[1:])]
+            request_gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
             gaps.extend(request_gaps)
             if times:
                 ttfts.append(times[0] - trace.arrival)
@@ -77,7 +77,9 @@ class SimulationResult:
                 "finish_time": trace.finish_time,
                 "finish_reason": trace.finish_reason,
                 "max_token_gap": max(request_gaps, default=0.0),
-                "wait": None if trace.first_scheduled is None else trace.first_scheduled - trace.arrival,
+                "wait": None
+                if trace.first_scheduled is None
+                else trace.first_scheduled - trace.arrival,
                 "output_tokens": len(times),
                 "preemptions": trace.preemptions,
                 "cached_tokens": trace.cached_tokens,
@@ -145,8 +147,16 @@ def simulate(scenario: Scenario, *, check_invariants: bool = False) -> Simulatio
                 cancelled.append(spec.id)
         if not sched.has_unfinished():
             if cancelled:  # the round consisted only of cancellations
-                rounds.append({"round": round_no, "time": now, "prefill": {}, "decode": [],
-                               "finished": [], "cancelled": cancelled})
+                rounds.append(
+                    {
+                        "round": round_no,
+                        "time": now,
+                        "prefill": {},
+                        "decode": [],
+                        "finished": [],
+                        "cancelled": cancelled,
+                    }
+                )
                 round_no += 1
             if not pending:
                 break
@@ -193,8 +203,13 @@ def simulate(scenario: Scenario, *, check_invariants: bool = False) -> Simulatio
                 finished.append(out.request_id)
         if check_invariants:
             sched.check_invariants()
-        entry: dict[str, Any] = {"round": round_no, "time": now, "prefill": prefill,
-                                 "decode": decode, "finished": finished}
+        entry: dict[str, Any] = {
+            "round": round_no,
+            "time": now,
+            "prefill": prefill,
+            "decode": decode,
+            "finished": finished,
+        }
         if cancelled:
             entry["cancelled"] = cancelled
         rounds.append(entry)
@@ -227,7 +242,9 @@ def _cancel_due(spec: SimRequest, round_no: int, now: float) -> bool:
     return spec.cancel_round <= round_no
 
 
-def _make_request(spec: SimRequest, arrival: float, serial: int, prefixes: dict[str, int]) -> Request:
+def _make_request(
+    spec: SimRequest, arrival: float, serial: int, prefixes: dict[str, int]
+) -> Request:
     base = serial * 1_000_000  # distinct tokens per request: no accidental prefix sharing
     tokens = list(range(base, base + spec.prompt))
     if spec.prefix is not None and spec.prefix_len:
@@ -235,8 +252,9 @@ def _make_request(spec: SimRequest, arrival: float, serial: int, prefixes: dict[
         n = min(spec.prefix_len, spec.prompt)
         tokens[:n] = range(shared_base, shared_base + n)
     sampling = SamplingParams(max_tokens=spec.output, temperature=0.0, ignore_eos=True)
-    return Request(spec.id, tokens, sampling, tenant=spec.tenant, priority=spec.priority,
-                   arrival_time=arrival)
+    return Request(
+        spec.id, tokens, sampling, tenant=spec.tenant, priority=spec.priority, arrival_time=arrival
+    )
 
 
 def _record_end(trace: RequestTrace, out, when: float) -> None:

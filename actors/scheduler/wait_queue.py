@@ -42,7 +42,9 @@ class WaitQueue:
         heap = self._heaps.setdefault(request.tenant, [])
         heapq.heappush(heap, (self.policy.key(request), tie, request.queue_epoch, request))
         if self.max_wait != float("inf"):
-            heapq.heappush(self._by_arrival, (request.arrival_time, tie, request.queue_epoch, request))
+            heapq.heappush(
+                self._by_arrival, (request.arrival_time, tie, request.queue_epoch, request)
+            )
         self._size += 1
 
     def remove(self, request: Request) -> None:

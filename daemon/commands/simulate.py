@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from sluice.actors.scheduler.config import ConfigError
@@ -16,13 +17,19 @@ from sluice.actors.scheduler.simulator import simulate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", help="scenario TOML file ([scheduler], [cost], [[requests]], ...)")
+    parser.add_argument(
+        "scenario", help="scenario TOML file ([scheduler], [cost], [[requests]], ...)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--policy", choices=("fcfs", "priority", "srpt", "fair"),
-                        help="override the scenario's [scheduler] policy")
+    parser.add_argument(
+        "--policy",
+        choices=("fcfs", "priority", "srpt", "fair"),
+        help="override the scenario's [scheduler] policy",
+    )
     parser.add_argument("--max-rounds", type=int, help="stop after this many rounds")
-    parser.add_argument("--check", action="store_true",
-                        help="check the scheduler's KV invariants after every round")
+    parser.add_argument(
+        "--check", action="store_true", help="check the scheduler's KV invariants after every round"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,34 +49,53 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, AssertionError) as exc:
         print(f"sluice simulate: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        json.dump(report, sys.stdout)
-        sys.stdout.write("\n")
-    else:
-        print_report(scenario, report)
+    try:
+        if args.json:
+            json.dump(report, sys.stdout)
+            sys.stdout.write("\n")
+        else:
+            print_report(scenario, report)
+        sys.stdout.flush()
+    except BrokenPipeError:  # piped into `head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
 def print_report(scenario: Scenario, report: dict) -> None:
-    print(f"scenario {scenario.name}: policy {scenario.config.policy}, "
-          f"budget {scenario.config.token_budget}, order {scenario.config.order}")
+    print(
+        f"scenario {scenario.name}: policy {scenario.config.policy}, "
+        f"budget {scenario.config.token_budget}, order {scenario.config.order}"
+    )
     print(f"{'round':>5} {'time':>10}  {'prefill':<28} {'decode':<28} finished")
     for entry in report["rounds"]:
         prefill = " ".join(f"{rid}:{n}" for rid, n in entry["prefill"].items())
         decode = " ".join(entry["decode"])
-        finished = " ".join(entry["finished"] + [f"{r}(cancelled)" for r in entry.get("cancelled", [])])
-        print(f"{entry['round']:>5} {entry['time']:>10.4g}  {_cut(prefill):<28} {_cut(decode):<28} {finished}")
+        finished = " ".join(
+            entry["finished"] + [f"{r}(cancelled)" for r in entry.get("cancelled", [])]
+        )
+        print(
+            f"{entry['round']:>5} {entry['time']:>10.4g}  "
+            f"{_cut(prefill):<28} {_cut(decode):<28} {finished}"
+        )
     print()
-    print(f"{'tenant':<12} {'weight':>6} {'prefill':>9} {'decode':>9} {'service':>10} {'preempt':>7}")
+    print(
+        f"{'tenant':<12} {'weight':>6} {'prefill':>9} {'decode':>9} {'service':>10} {'preempt':>7}"
+    )
     for name, t in report["tenants"].items():
-        print(f"{name:<12} {t['weight']:>6.3g} {t['prefill_tokens']:>9} {t['decode_tokens']:>9} "
-              f"{t['service']:>10.6g} {t['preemptions']:>7}")
+        print(
+            f"{name:<12} {t['weight']:>6.3g} {t['prefill_tokens']:>9} {t['decode_tokens']:>9} "
+            f"{t['service']:>10.6g} {t['preemptions']:>7}"
+        )
     m = report["metrics"]
     print()
-    print(f"rounds {m['rounds']}  time {m['time']:.4g}s  output tokens {m['output_tokens']}  "
-          f"throughput {m['throughput_tokens_per_s']:.4g} tok/s")
-    print(f"ttft p50 {m['ttft_p50']:.4g}s  p99 {m['ttft_p99']:.4g}s  itl p99 {m['itl_p99']:.4g}s  "
-          f"jain (weighted service) {m['jain_weighted_service']:.4f}  preemptions {m['preemptions']}")
+    print(
+        f"rounds {m['rounds']}  time {m['time']:.4g}s  output tokens {m['output_tokens']}  "
+        f"throughput {m['throughput_tokens_per_s']:.4g} tok/s"
+    )
+    print(
+        f"ttft p50 {m['ttft_p50']:.4g}s  p99 {m['ttft_p99']:.4g}s  itl p99 {m['itl_p99']:.4g}s  "
+        f"jain (weighted service) {m['jain_weighted_service']:.4f}  preemptions {m['preemptions']}"
+    )
 
 
 def _cut(text: str, width: int = 28) -> str:

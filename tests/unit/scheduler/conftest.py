@@ -15,4 +15,5 @@ def clock() -> FakeClock:
 def make_sched(clock):
     def make(**settings):
         return make_scheduler(clock, **settings)
+
     return make

@@ -16,7 +16,9 @@ class FakeClock:
 
 def sample_all(plan: StepPlan, token: int = 7) -> StepResult:
     """A result that samples `token` for every sequence the plan asks to sample."""
-    return StepResult(plan.step_id, {s.request_id: SampledToken(token) for s in plan.seqs if s.sample})
+    return StepResult(
+        plan.step_id, {s.request_id: SampledToken(token) for s in plan.seqs if s.sample}
+    )
 
 
 def step(sched: Scheduler, token: int = 7, *, check: bool = True):
@@ -27,17 +29,35 @@ def step(sched: Scheduler, token: int = 7, *, check: bool = True):
     return plan, outputs
 
 
-def req(rid: str, prompt_len: int = 8, max_tokens: int = 4, *, tenant: str = "default",
-        priority: int = 0, arrival: float | None = None, first: int = 1000, **sampling) -> Request:
+def req(
+    rid: str,
+    prompt_len: int = 8,
+    max_tokens: int = 4,
+    *,
+    tenant: str = "default",
+    priority: int = 0,
+    arrival: float | None = None,
+    first: int = 1000,
+    **sampling,
+) -> Request:
     """A request whose prompt is `prompt_len` distinct tokens starting at `first`."""
-    return Request(rid, list(range(first, first + prompt_len)),
-                   SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling),
-                   tenant=tenant, priority=priority, arrival_time=arrival)
+    return Request(
+        rid,
+        list(range(first, first + prompt_len)),
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling),
+        tenant=tenant,
+        priority=priority,
+        arrival_time=arrival,
+    )
 
 
 def make_scheduler(clock: FakeClock | None = None, **settings) -> Scheduler:
     eos = settings.pop("eos_token_ids", frozenset())
     max_model_len = settings.pop("max_model_len", 2048)
     settings.setdefault("policy", "fcfs")
-    return Scheduler(SchedulerConfig(**settings), eos_token_ids=eos,
-                     max_model_len=max_model_len, clock=clock or FakeClock())
+    return Scheduler(
+        SchedulerConfig(**settings),
+        eos_token_ids=eos,
+        max_model_len=max_model_len,
+        clock=clock or FakeClock(),
+    )

@@ -47,8 +47,14 @@ def test_cancel_decoding(make_sched):
 
 
 def test_cancel_preempted(make_sched):
-    sched = make_sched(block_size=2, kv_blocks=4, max_prefill_chunk=64, kv_high_watermark=1.0,
-                       kv_low_watermark=1.0, enable_prefix_caching=False)
+    sched = make_sched(
+        block_size=2,
+        kv_blocks=4,
+        max_prefill_chunk=64,
+        kv_high_watermark=1.0,
+        kv_low_watermark=1.0,
+        enable_prefix_caching=False,
+    )
     sched.add_request(req("a", prompt_len=4, max_tokens=4, arrival=0.0))
     sched.add_request(req("b", prompt_len=4, max_tokens=4, arrival=1.0, first=50))
     step(sched)

@@ -67,8 +67,9 @@ def test_weighted_budget(make_sched):
 
 
 def test_prefill_first_keeps_the_decode_share(make_sched):
-    sched = make_sched(order="prefill_first", token_budget=8, decode_share=0.5,
-                       max_prefill_chunk=64)
+    sched = make_sched(
+        order="prefill_first", token_budget=8, decode_share=0.5, max_prefill_chunk=64
+    )
     for i in range(6):
         sched.add_request(req(f"d{i}", prompt_len=1, max_tokens=50, first=10 * i))
     step(sched)
@@ -203,8 +204,9 @@ def test_seeds_and_penalty_fields(make_sched):
     ],
 )
 def test_rejections_are_typed_and_name_the_field(make_sched, make_request, error, field):
-    sched = make_sched(max_model_len=64,
-                       tenants={"t": TenantConfig(max_new_tokens=50, max_context=40)})
+    sched = make_sched(
+        max_model_len=64, tenants={"t": TenantConfig(max_new_tokens=50, max_context=40)}
+    )
     with pytest.raises(error) as info:
         sched.add_request(make_request())
     assert isinstance(info.value, Rejected)
@@ -234,8 +236,9 @@ def test_prompt_larger_than_the_kv_pool_is_too_long(make_sched):
 
 
 def test_config_from_dict_rejects_unknown_keys():
-    config = SchedulerConfig.from_dict({"policy": "srpt", "token_budget": 4,
-                                        "tenants": [{"name": "a", "weight": 2.0}]})
+    config = SchedulerConfig.from_dict(
+        {"policy": "srpt", "token_budget": 4, "tenants": [{"name": "a", "weight": 2.0}]}
+    )
     assert config.tenant("a").weight == 2.0 and config.tenant("other").weight == 1.0
     with pytest.raises(ConfigError, match="tokne_budget"):
         SchedulerConfig.from_dict({"tokne_budget": 4})

@@ -72,8 +72,15 @@ def test_prefix_caching_off_computes_everything(make_sched):
 
 
 def test_decode_out_of_kv_preempts_lowest_priority_then_latest(make_sched, clock):
-    sched = make_sched(block_size=2, kv_blocks=6, max_prefill_chunk=64, policy="priority",
-                       kv_high_watermark=1.0, kv_low_watermark=1.0, enable_prefix_caching=False)
+    sched = make_sched(
+        block_size=2,
+        kv_blocks=6,
+        max_prefill_chunk=64,
+        policy="priority",
+        kv_high_watermark=1.0,
+        kv_low_watermark=1.0,
+        enable_prefix_caching=False,
+    )
     sched.add_request(req("vip", prompt_len=4, max_tokens=8, priority=5, arrival=0.0))
     sched.add_request(req("old", prompt_len=4, max_tokens=8, arrival=1.0, first=50))
     sched.add_request(req("new", prompt_len=4, max_tokens=8, arrival=2.0, first=90))
@@ -88,8 +95,14 @@ def test_decode_out_of_kv_preempts_lowest_priority_then_latest(make_sched, clock
 
 
 def test_preempted_request_recomputes_and_keeps_its_tokens(make_sched):
-    sched = make_sched(block_size=2, kv_blocks=5, max_prefill_chunk=64,
-                       kv_high_watermark=1.0, kv_low_watermark=1.0, enable_prefix_caching=False)
+    sched = make_sched(
+        block_size=2,
+        kv_blocks=5,
+        max_prefill_chunk=64,
+        kv_high_watermark=1.0,
+        kv_low_watermark=1.0,
+        enable_prefix_caching=False,
+    )
     sched.add_request(req("a", prompt_len=3, max_tokens=6, arrival=0.0, seed=9))
     sched.add_request(req("b", prompt_len=3, max_tokens=6, arrival=1.0, first=50, tenant="t"))
     tokens: dict[str, list[int]] = {"a": [], "b": []}
@@ -112,7 +125,7 @@ def test_preempted_request_recomputes_and_keeps_its_tokens(make_sched):
     known = b.prompt_token_ids + b.output_token_ids
     for seq, generated in recompute_chunks:
         end = seq.start_pos + len(seq.token_ids)
-        assert seq.token_ids == known[seq.start_pos:end]
+        assert seq.token_ids == known[seq.start_pos : end]
         assert seq.sample == (end == 3 + generated)
         assert seq.num_generated == generated
     assert len(tokens["a"]) == 6 and len(tokens["b"]) == 6
@@ -124,8 +137,13 @@ def test_preempted_request_recomputes_and_keeps_its_tokens(make_sched):
 
 
 def test_high_watermark_stops_admission_until_below_low(make_sched):
-    sched = make_sched(block_size=4, kv_blocks=10, kv_high_watermark=0.5, kv_low_watermark=0.3,
-                       max_prefill_chunk=64)
+    sched = make_sched(
+        block_size=4,
+        kv_blocks=10,
+        kv_high_watermark=0.5,
+        kv_low_watermark=0.3,
+        max_prefill_chunk=64,
+    )
     sched.add_request(req("a", prompt_len=20, max_tokens=16))  # 5 blocks = 50%
     step(sched)
     sched.add_request(req("b", prompt_len=4, max_tokens=2, first=60))
@@ -138,8 +156,14 @@ def test_high_watermark_stops_admission_until_below_low(make_sched):
 
 
 def test_reserve_admission_never_preempts(make_sched):
-    sched = make_sched(block_size=4, kv_blocks=8, admission="reserve", max_prefill_chunk=64,
-                       kv_high_watermark=1.0, kv_low_watermark=1.0)
+    sched = make_sched(
+        block_size=4,
+        kv_blocks=8,
+        admission="reserve",
+        max_prefill_chunk=64,
+        kv_high_watermark=1.0,
+        kv_low_watermark=1.0,
+    )
     for i in range(4):
         sched.add_request(req(f"r{i}", prompt_len=4, max_tokens=12, first=20 * i))  # 4 blocks each
     states = []
@@ -207,5 +231,10 @@ def test_last_step_reports_the_batch_composition(make_sched):
     step(sched)
     sched.add_request(req("b", prompt_len=20, max_tokens=5, first=50))
     step(sched)
-    assert sched.stats()["last_step"] == {"seqs": 2, "prefill_tokens": 9, "decode_tokens": 1,
-                                          "budget_used": 10.0, "token_budget": 10}
+    assert sched.stats()["last_step"] == {
+        "seqs": 2,
+        "prefill_tokens": 9,
+        "decode_tokens": 1,
+        "budget_used": 10.0,
+        "token_budget": 10,
+    }

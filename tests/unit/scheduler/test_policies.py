@@ -27,7 +27,9 @@ def test_priority_aging_lets_an_old_low_priority_request_go_first(make_sched, cl
     sched = make_sched(policy="priority", max_prefilling=1, max_prefill_chunk=64, max_wait=10.0)
     sched.add_request(req("old-low", prompt_len=4, max_tokens=1, priority=0, arrival=0.0))
     clock.now = 11.0
-    sched.add_request(req("new-high", prompt_len=4, max_tokens=1, priority=9, arrival=11.0, first=50))
+    sched.add_request(
+        req("new-high", prompt_len=4, max_tokens=1, priority=9, arrival=11.0, first=50)
+    )
     assert admitted_order(sched, 2) == ["old-low", "new-high"]
 
 
@@ -40,21 +42,37 @@ def test_srpt_admits_the_shortest_job_first(make_sched):
 
 
 def test_fair_alternates_by_weighted_service(make_sched):
-    sched = make_sched(policy="fair", max_prefilling=1, max_running=1, max_prefill_chunk=64,
-                       max_wait=None, tenants={"a": TenantConfig(weight=3.0)})
+    sched = make_sched(
+        policy="fair",
+        max_prefilling=1,
+        max_running=1,
+        max_prefill_chunk=64,
+        max_wait=None,
+        tenants={"a": TenantConfig(weight=3.0)},
+    )
     for i in range(6):
-        sched.add_request(req(f"a{i}", prompt_len=4, max_tokens=1, tenant="a", arrival=float(i),
-                              first=10 * i))
-        sched.add_request(req(f"b{i}", prompt_len=4, max_tokens=1, tenant="b", arrival=float(i),
-                              first=500 + 10 * i))
+        sched.add_request(
+            req(f"a{i}", prompt_len=4, max_tokens=1, tenant="a", arrival=float(i), first=10 * i)
+        )
+        sched.add_request(
+            req(
+                f"b{i}",
+                prompt_len=4,
+                max_tokens=1,
+                tenant="b",
+                arrival=float(i),
+                first=500 + 10 * i,
+            )
+        )
     order = admitted_order(sched, 8)
     # every request costs 5 service units; a at weight 3 gets three for each one of b's
     assert order == ["a0", "b0", "a1", "a2", "b1", "a3", "a4", "a5"]
 
 
 def test_fair_newcomer_starts_at_the_current_minimum(make_sched):
-    sched = make_sched(policy="fair", max_prefilling=1, max_running=1, max_prefill_chunk=64,
-                       max_wait=None)
+    sched = make_sched(
+        policy="fair", max_prefilling=1, max_running=1, max_prefill_chunk=64, max_wait=None
+    )
     for i in range(4):
         sched.add_request(req(f"a{i}", prompt_len=8, max_tokens=1, tenant="a", first=10 * i))
     for _ in range(3):
@@ -69,15 +87,22 @@ def test_fair_newcomer_starts_at_the_current_minimum(make_sched):
 
 
 def test_tenant_max_running_holds_back_only_that_tenant(make_sched):
-    sched = make_sched(policy="fcfs", max_prefilling=4, max_prefill_chunk=64,
-                       tenants={"t": TenantConfig(max_running=1)})
+    sched = make_sched(
+        policy="fcfs",
+        max_prefilling=4,
+        max_prefill_chunk=64,
+        tenants={"t": TenantConfig(max_running=1)},
+    )
     sched.add_request(req("t1", tenant="t", max_tokens=10, arrival=0.0))
     sched.add_request(req("t2", tenant="t", max_tokens=10, arrival=1.0, first=50))
     sched.add_request(req("u1", tenant="u", max_tokens=10, arrival=2.0, first=90))
     step(sched)
     states = {rid: sched.get_request(rid).state for rid in ("t1", "t2", "u1")}
-    assert states == {"t1": RequestState.DECODING, "t2": RequestState.WAITING,
-                      "u1": RequestState.DECODING}
+    assert states == {
+        "t1": RequestState.DECODING,
+        "t2": RequestState.WAITING,
+        "u1": RequestState.DECODING,
+    }
     sched.abort("t1")
     step(sched)
     assert sched.get_request("t2").state is RequestState.DECODING

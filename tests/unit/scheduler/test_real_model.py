@@ -6,8 +6,10 @@ import pytest
 
 from sluice.actors.scheduler.plan import SamplingParams
 
-TEXT = ("A paged KV cache stores keys and values in fixed-size blocks, so a scheduler can hand "
-        "the memory of a finished request to a new one at once and share common prefixes. ")
+TEXT = (
+    "A paged KV cache stores keys and values in fixed-size blocks, so a scheduler can hand "
+    "the memory of a finished request to a new one at once and share common prefixes. "
+)
 
 
 @pytest.mark.slow
@@ -15,7 +17,7 @@ def test_small_pool_preempts_yet_every_request_gets_the_ample_pool_tokens(
     make_engine, smollm_tokenizer
 ):
     words = TEXT.split()
-    prompts = [smollm_tokenizer.encode(" ".join(words[i: i + 10 + 2 * i])) for i in range(4)]
+    prompts = [smollm_tokenizer.encode(" ".join(words[i : i + 10 + 2 * i])) for i in range(4)]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     tenants = ["a", "b", "a", "b"]
 
@@ -23,10 +25,17 @@ def test_small_pool_preempts_yet_every_request_gets_the_ample_pool_tokens(
     expected = ample.generate(prompts, greedy)
 
     # 5 blocks of 16 tokens cannot hold four requests of ~25-40 tokens each
-    tight = make_engine(num_blocks=5, enable_prefix_caching=False,
-                        kv_high_watermark=1.0, kv_low_watermark=1.0, policy="fcfs")
-    ids = [tight.add_request(prompt_token_ids=p, sampling=greedy, tenant=t)
-           for p, t in zip(prompts, tenants)]
+    tight = make_engine(
+        num_blocks=5,
+        enable_prefix_caching=False,
+        kv_high_watermark=1.0,
+        kv_low_watermark=1.0,
+        policy="fcfs",
+    )
+    ids = [
+        tight.add_request(prompt_token_ids=p, sampling=greedy, tenant=t)
+        for p, t in zip(prompts, tenants, strict=True)
+    ]
     done = {}
     while tight.has_unfinished():
         for out in tight.step():

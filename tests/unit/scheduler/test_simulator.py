@@ -35,7 +35,11 @@ def test_seed_worked_example_round_by_round():
         ({}, ["A"], ["A"]),
     ]
     assert [r["round"] for r in report["rounds"]] == list(range(6))
-    assert {rid: r["output_tokens"] for rid, r in report["requests"].items()} == {"A": 4, "B": 2, "C": 1}
+    assert {rid: r["output_tokens"] for rid, r in report["requests"].items()} == {
+        "A": 4,
+        "B": 2,
+        "C": 1,
+    }
 
 
 def test_cli_json_has_the_documented_shape(capsys):
@@ -44,10 +48,26 @@ def test_cli_json_has_the_documented_shape(capsys):
     assert set(report) >= {"rounds", "requests", "tenants", "metrics"}
     assert set(report["rounds"][0]) >= {"round", "time", "prefill", "decode", "finished"}
     assert set(report["requests"]["A"]) >= {
-        "tenant", "arrival", "first_token_time", "finish_time", "max_token_gap", "preemptions"}
-    assert set(report["tenants"]["default"]) >= {"weight", "prefill_tokens", "decode_tokens", "service"}
+        "tenant",
+        "arrival",
+        "first_token_time",
+        "finish_time",
+        "max_token_gap",
+        "preemptions",
+    }
+    assert set(report["tenants"]["default"]) >= {
+        "weight",
+        "prefill_tokens",
+        "decode_tokens",
+        "service",
+    }
     assert set(report["metrics"]) >= {
-        "throughput_tokens_per_s", "ttft_p50", "ttft_p99", "itl_p99", "jain_weighted_service"}
+        "throughput_tokens_per_s",
+        "ttft_p50",
+        "ttft_p99",
+        "itl_p99",
+        "jain_weighted_service",
+    }
     # cost model: r0 and r1 take 2 s each, r2 takes 3 s; A's first token ends round 2
     assert [r["time"] for r in report["rounds"][:3]] == [0.0, 2.0, 4.0]
     assert report["requests"]["A"]["first_token_time"] == 7.0
@@ -87,7 +107,9 @@ def test_srpt_max_wait_bounds_the_long_request():
 
 
 def _chat_gap(report: dict) -> float:
-    return max(r["max_token_gap"] for rid, r in report["requests"].items() if rid.startswith("chat-"))
+    return max(
+        r["max_token_gap"] for rid, r in report["requests"].items() if rid.startswith("chat-")
+    )
 
 
 def test_long_prompts_do_not_stall_streams_with_chunking():

@@ -32,27 +32,45 @@ class SchedulerMachine(RuleBasedStateMachine):
     def setup(self, policy, order, admission, caching, first_from_prefill, kv_blocks, budget, high):
         self.clock = FakeClock()
         config = SchedulerConfig(
-            policy=policy, order=order, admission=admission, enable_prefix_caching=caching,
-            first_token_from_prefill=first_from_prefill, kv_blocks=kv_blocks, block_size=4,
-            token_budget=budget, max_prefill_chunk=5, max_prefilling=2, max_running=6,
-            max_wait=3.0, decode_share=0.25, kv_high_watermark=high, kv_low_watermark=high * 0.8,
+            policy=policy,
+            order=order,
+            admission=admission,
+            enable_prefix_caching=caching,
+            first_token_from_prefill=first_from_prefill,
+            kv_blocks=kv_blocks,
+            block_size=4,
+            token_budget=budget,
+            max_prefill_chunk=5,
+            max_prefilling=2,
+            max_running=6,
+            max_wait=3.0,
+            decode_share=0.25,
+            kv_high_watermark=high,
+            kv_low_watermark=high * 0.8,
         )
-        self.sched = Scheduler(config, eos_token_ids=frozenset({EOS}), max_model_len=48,
-                               clock=self.clock)
+        self.sched = Scheduler(
+            config, eos_token_ids=frozenset({EOS}), max_model_len=48, clock=self.clock
+        )
         self.serial = 0
         self.live: set[str] = set()
         self.ended: dict[str, int] = {}
 
     def _record(self, outputs):
         for out in outputs:
-            assert out.request_id not in self.ended, f"{out.request_id} produced output after ending"
+            assert out.request_id not in self.ended, (
+                f"{out.request_id} produced output after ending"
+            )
             if out.finished:
                 self.ended[out.request_id] = self.ended.get(out.request_id, 0) + 1
                 self.live.discard(out.request_id)
 
-    @rule(prompt_len=st.integers(1, 24), max_tokens=st.integers(1, 20),
-          tenant=st.sampled_from(["a", "b", "c"]), priority=st.integers(0, 2),
-          prefix=st.sampled_from([None, 0, 1]))
+    @rule(
+        prompt_len=st.integers(1, 24),
+        max_tokens=st.integers(1, 20),
+        tenant=st.sampled_from(["a", "b", "c"]),
+        priority=st.integers(0, 2),
+        prefix=st.sampled_from([None, 0, 1]),
+    )
     def add(self, prompt_len, max_tokens, tenant, priority, prefix):
         self.serial += 1
         rid = f"r{self.serial}"
@@ -60,27 +78,38 @@ class SchedulerMachine(RuleBasedStateMachine):
         if prefix is not None:
             shared = PREFIXES[prefix]
             prompt = shared + prompt[: max(1, prompt_len - len(shared))]
-        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                          tenant=tenant, priority=priority)
+        request = Request(
+            rid,
+            prompt,
+            SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            tenant=tenant,
+            priority=priority,
+        )
         try:
             self.sched.add_request(request)
         except Rejected:
             return
         self.live.add(rid)
 
-    @rule(tokens=st.lists(st.sampled_from([EOS, 5, 6, 7, 8, 9]), min_size=8, max_size=8),
-          elapsed=st.floats(0.0, 2.0), repeat=st.integers(1, 4))
+    @rule(
+        tokens=st.lists(st.sampled_from([EOS, 5, 6, 7, 8, 9]), min_size=8, max_size=8),
+        elapsed=st.floats(0.0, 2.0),
+        repeat=st.integers(1, 4),
+    )
     def step(self, tokens, elapsed, repeat):
         for _ in range(repeat):
             plan = self.sched.schedule()
             for seq in plan.seqs:
                 request = self.sched.get_request(seq.request_id)
                 known = request.prompt_token_ids + request.output_token_ids
-                assert seq.token_ids == known[seq.start_pos: seq.start_pos + len(seq.token_ids)]
+                assert seq.token_ids == known[seq.start_pos : seq.start_pos + len(seq.token_ids)]
                 assert len(seq.block_table) * 4 >= seq.start_pos + len(seq.token_ids)
             self.clock.now += elapsed
-            sampled = {s.request_id: SampledToken(tokens[i % len(tokens)])
-                       for i, s in enumerate(plan.seqs) if s.sample}
+            sampled = {
+                s.request_id: SampledToken(tokens[i % len(tokens)])
+                for i, s in enumerate(plan.seqs)
+                if s.sample
+            }
             self._record(self.sched.update(plan, StepResult(plan.step_id, sampled)))
             self.sched.check_invariants()
 
@@ -140,7 +169,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=80, stateful_step_count=50, deadline=None,
+    max_examples=80,
+    stateful_step_count=50,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestScheduler = SchedulerMachine.TestCase
