@@ -6,8 +6,10 @@ Every end state releases every block the request holds in the same call; that ru
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
+from sluice.actors.scheduler.config import TenantConfig
 from sluice.actors.scheduler.plan import RequestOutput
 from sluice.actors.scheduler.policy import TenantState
 from sluice.actors.scheduler.request import FAILED_REASONS, Request, RequestState
@@ -88,6 +90,16 @@ class LifecycleMixin:
     def get_request(self: Scheduler, request_id: str) -> Request | None:
         """A live request, or one of the recently ended ones."""
         return self.requests.get(request_id) or self.recently_ended.get(request_id)
+
+    def configure_tenant(self: Scheduler, name: str, tenant: TenantConfig) -> None:
+        """Change a tenant's weight or limits at run time (operator command, config reload).
+
+        New limits apply to later admissions; requests already queued or running keep going.
+        """
+        tenants = dict(self.config.tenants)
+        tenants[name] = tenant
+        self.config = dataclasses.replace(self.config, tenants=tenants)
+        self._tenant(name).config = tenant
 
     # -- internals --------------------------------------------------------------------------
     def _tenant(self: Scheduler, name: str) -> TenantState:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from scheduler_helpers import req, step
 
-from sluice.actors.scheduler import RequestState, TenantConfig
+from sluice.actors.scheduler import Quota, RequestState, TenantConfig
 
 
 def admitted_order(sched, n):
@@ -106,3 +107,15 @@ def test_tenant_max_running_holds_back_only_that_tenant(make_sched):
     sched.abort("t1")
     step(sched)
     assert sched.get_request("t2").state is RequestState.DECODING
+
+
+def test_tenant_limits_can_change_at_run_time(make_sched):
+    sched = make_sched(policy="fair")
+    sched.add_request(req("a1", tenant="t", max_tokens=10))
+    sched.configure_tenant("t", TenantConfig(weight=4.0, max_new_tokens=5))
+    with pytest.raises(Quota, match="max_tokens"):
+        sched.add_request(req("a2", tenant="t", max_tokens=10, first=50))
+    step(sched)
+    assert sched.stats()["tenants"]["t"]["weight"] == 4.0
+    # service is charged at the new weight: 8 prompt + 1 output tokens over weight 4
+    assert sched.tenants["t"].virtual_time == 9 / 4.0
