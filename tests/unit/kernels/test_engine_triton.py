@@ -8,10 +8,8 @@ from sluice.actors.executor.runner import ModelRunner
 from sluice.actors.scheduler.plan import SamplingParams
 from sluice.kernels import attention, cache
 
-PROMPTS = [
-    "The capital of France is",
-    "Write one short sentence about rivers, canal locks, barges and the boats that pass through them, please:",
-]
+# long enough that its KV spans two blocks of 16, short enough for the interpreter
+PROMPT = "Write one short sentence about rivers, canal locks, barges and the boats on them:"
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +24,14 @@ def fresh_engine_sharing_weights(engine: Engine) -> Engine:
     return Engine(runner=runner, tokenizer=engine.tokenizer)
 
 
-def greedy_tokens(engine: Engine) -> list[list[int]]:
+def greedy_tokens(engine: Engine) -> list[int]:
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    return [c.token_ids for c in engine.generate(PROMPTS, params)]
+    [completion] = engine.generate([PROMPT], params)
+    return completion.token_ids
 
 
 def test_triton_attention_gives_the_same_greedy_tokens(torch_engine, monkeypatch):
-    prompt_lengths = [len(torch_engine.tokenizer.encode(p)) for p in PROMPTS]
-    assert min(prompt_lengths) < 16 < max(prompt_lengths)  # one prompt spans two KV blocks
+    assert 16 < len(torch_engine.tokenizer.encode(PROMPT)) < 32
 
     monkeypatch.setenv("SLUICE_ATTENTION", "triton")
     calls = {"attention": 0, "cache": 0}
@@ -53,5 +51,5 @@ def test_triton_attention_gives_the_same_greedy_tokens(torch_engine, monkeypatch
     monkeypatch.setenv("SLUICE_ATTENTION", "torch")
     torch_tokens = greedy_tokens(torch_engine)
 
-    assert [len(t) for t in torch_tokens] == [8, 8]
+    assert len(torch_tokens) == 8
     assert triton_tokens == torch_tokens
