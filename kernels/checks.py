@@ -1,4 +1,4 @@
-"""Argument checks shared by the Triton launchers.
+"""Argument checks for the Triton launchers: shared helpers and paged attention's checks.
 
 Everything a kernel would silently get wrong (a wrong dtype, a non-unit inner stride, a block
 id past the pool) is refused here with an error that names the argument. Shape, dtype and
@@ -109,9 +109,15 @@ class ValidatedValues:
 _validated_attention_metadata = ValidatedValues()
 
 
-def check_attention_arguments(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                    scale) -> None:
-    """Raise TypeError/ValueError naming the argument the kernel cannot take as given."""
+def check_attention_arguments(query: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor, block_tables: torch.Tensor,
+                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                              scale: float) -> None:
+    """Raise TypeError/ValueError naming the paged-attention argument the kernel cannot take.
+
+    The value checks (ids inside the pool, lengths consistent) cost one device-to-host copy,
+    paid once per set of step metadata tensors.
+    """
     require_tensor("query", query, 3)
     require_tensor("key_cache", key_cache, 4)
     require_tensor("value_cache", value_cache, 4)
@@ -167,7 +173,7 @@ def check_attention_arguments(query, key_cache, value_cache, block_tables, query
                                num_blocks, block_size)
 
     _validated_attention_metadata.check([block_tables, query_start_loc, seq_lens],
-                              (num_tokens, num_blocks, block_size), validate)
+                                        (num_tokens, num_blocks, block_size), validate)
 
 
 def _check_metadata_values(block_tables, query_start_loc, seq_lens, num_tokens, num_blocks,
