@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 _spec = importlib.util.spec_from_file_location(
     "sluice_e2e_fixtures", Path(__file__).parent.parent / "e2e" / "conftest.py"
 )
@@ -14,3 +16,19 @@ _spec.loader.exec_module(_e2e)
 null_daemon = _e2e.null_daemon
 assert_drained_and_consistent = _e2e.assert_drained_and_consistent
 start_daemon_process = _e2e.start_daemon_process
+
+
+@pytest.fixture
+def daemon_process():
+    """`daemon_process(args, log=path)` runs `sluiced serve ARGS`; killed at the end if alive."""
+    started = []
+
+    def start(args, **kwargs):
+        process, listen, control = start_daemon_process(args, **kwargs)
+        started.append(process)
+        return process, listen, control
+
+    yield start
+    for process in started:
+        process.kill()
+        process.wait()

@@ -1,0 +1,35 @@
+"""SIGTERM drains: no new admissions, running requests finish, exit code 0."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import trio
+
+from sluice.ipc.client import AsyncClient
+from sluice.ipc.errors import DrainingError
+
+
+async def test_sigterm_drains_running_requests_and_exits_zero(tmp_path, daemon_process) -> None:
+    process, listen, control = daemon_process(
+        ["--executor", "null", "--listen", "tcp://127.0.0.1:0",
+         "--control", f"ipc://{tmp_path}/control.sock", "--drain-deadline", "30",
+         "--pause-timeout", "60"],
+        log=tmp_path / "sluiced.log",
+    )
+    with trio.fail_after(60):
+        async with AsyncClient(listen, credit_window=1) as client:
+            running = await client.generate("hi", max_tokens=300)
+            async for _ in running:
+                break  # it is running (soon paused by our slowness) when SIGTERM comes
+            process.send_signal(signal.SIGTERM)
+            await trio.sleep(0.5)
+            with pytest.raises(DrainingError):
+                await client.generate("too late", max_tokens=2)
+            async for _ in running:
+                pass
+            assert running.result.finish_reason == "length"
+            assert len(running.result.token_ids) == 300
+        code = await trio.to_thread.run_sync(process.wait)
+    assert code == 0
