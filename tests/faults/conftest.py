@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ _spec = importlib.util.spec_from_file_location(
     "sluice_e2e_fixtures", Path(__file__).parent.parent / "e2e" / "conftest.py"
 )
 _e2e = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _e2e  # dataclasses look their module up while the file runs
 _spec.loader.exec_module(_e2e)
 
 null_daemon = _e2e.null_daemon
