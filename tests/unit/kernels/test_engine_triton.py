@@ -1,27 +1,12 @@
 """End to end: the embedded model decodes the same greedy tokens on the Triton attention path
 (run by the CPU interpreter) as on the torch path."""
 
-import pytest
-
 from sluice.actors.engine import Engine
-from sluice.actors.executor.runner import ModelRunner
 from sluice.actors.scheduler.plan import SamplingParams
 from sluice.kernels import attention, cache
 
 # long enough that its KV spans two blocks of 16, short enough for the interpreter
 PROMPT = "Write one short sentence about rivers, canal locks, barges and the boats on them:"
-
-
-@pytest.fixture(scope="module")
-def torch_engine():
-    return Engine(model=None, dtype="float32")
-
-
-def fresh_engine_sharing_weights(engine: Engine) -> Engine:
-    """Same weights and tokenizer, but its own KV pool and prefix cache."""
-    runner = ModelRunner(model=engine.runner.model, num_blocks=engine.runner.num_blocks,
-                         block_size=engine.runner.block_size)
-    return Engine(runner=runner, tokenizer=engine.tokenizer)
 
 
 def greedy_tokens(engine: Engine) -> list[int]:
@@ -30,22 +15,22 @@ def greedy_tokens(engine: Engine) -> list[int]:
     return completion.token_ids
 
 
-def test_triton_attention_gives_the_same_greedy_tokens(torch_engine, monkeypatch):
+def test_triton_attention_gives_the_same_greedy_tokens(make_engine, monkeypatch):
+    # each path gets its own engine (own KV pool and prefix cache) over the shared weights
+    triton_engine, torch_engine = make_engine(), make_engine()
     assert 16 < len(torch_engine.tokenizer.encode(PROMPT)) < 32
 
     monkeypatch.setenv("SLUICE_ATTENTION", "triton")
     calls = {"attention": 0, "cache": 0}
-    for module, name in ((attention, "paged_attention"), (cache, "reshape_and_cache")):
-        launch = getattr(module, name)
-        key = "attention" if module is attention else "cache"
-
-        def counted(*args, _launch=launch, _key=key):
+    for module, name, key in ((attention, "paged_attention", "attention"),
+                              (cache, "reshape_and_cache", "cache")):
+        def counted(*args, _launch=getattr(module, name), _key=key):
             calls[_key] += 1
             return _launch(*args)
 
         monkeypatch.setattr(module, name, counted)
-    triton_tokens = greedy_tokens(fresh_engine_sharing_weights(torch_engine))
-    layers = torch_engine.runner.config.num_layers
+    triton_tokens = greedy_tokens(triton_engine)
+    layers = triton_engine.runner.config.num_layers
     assert calls["attention"] >= 8 * layers and calls["cache"] == calls["attention"]
 
     monkeypatch.setenv("SLUICE_ATTENTION", "torch")
