@@ -17,7 +17,10 @@ RAW_PROMPTS = [
     "List three prime numbers: 2, 3,",
     "Water boils at 100 degrees Celsius at sea level. At the top of a high mountain the air "
     "pressure is lower, so water boils at a lower temperature. This is why cooking pasta in "
-    "the mountains takes longer, because",
+    "the mountains takes longer, because the water is not as hot as it would be at sea level. "
+    "Mountaineers have long known this, and many of them carry pressure cookers, which raise the "
+    "boiling point again by sealing the pot. In the same way, a car's cooling system is kept "
+    "under pressure so that",
 ]
 CHATS = [
     [{"role": "user", "content": "What is the capital of Japan?"}],
