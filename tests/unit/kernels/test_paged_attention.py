@@ -130,3 +130,13 @@ def test_split_keys_merge_to_the_reference(shape, num_splits):
 
 def test_cpu_launches_do_not_split():
     assert attention.choose_num_splits(torch.device("cpu"), programs=1) == 1
+
+
+def test_int64_step_metadata_gives_the_same_output():
+    batch = random_paged_batch(mixed_shape((6, 2)), seed=19)
+    want = attention.paged_attention(*batch.attention_args())
+    batch.block_tables = batch.block_tables.long()
+    batch.query_start_loc = batch.query_start_loc.long()
+    batch.seq_lens = batch.seq_lens.long()
+    torch.testing.assert_close(attention.paged_attention(*batch.attention_args()), want,
+                               atol=0.0, rtol=0.0)
