@@ -114,7 +114,12 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
     def _schedule_decodes(self) -> None:
         w_d = self.config.decode_weight
         capacity = self.block_manager.block_size
-        for request in list(self.running.values()):
+        candidates = list(self.running.values())
+        if candidates and w_d * (len(candidates) - len(self.prefilling)) > self._budget:
+            # more decodes than budget: rotate who goes first so no stream stalls for good
+            k = self._step_id % len(candidates)
+            candidates = candidates[k:] + candidates[:k]
+        for request in candidates:
             if self._budget < w_d:
                 break
             if request.state is not DECODING:

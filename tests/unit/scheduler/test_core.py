@@ -262,3 +262,18 @@ def test_request_that_cannot_finish_alone_in_the_pool_is_too_long(make_sched):
     with pytest.raises(TooLong, match="max_tokens"):
         sched.add_request(req("a", prompt_len=8, max_tokens=9))
     sched.add_request(req("b", prompt_len=8, max_tokens=8))
+
+
+def test_decodes_beyond_the_budget_take_turns(make_sched):
+    sched = make_sched(token_budget=2, max_prefill_chunk=1, max_prefilling=4, order="prefill_first")
+    for i in range(4):
+        sched.add_request(req(f"r{i}", prompt_len=1, max_tokens=50, first=10 * i))
+    for _ in range(2):
+        step(sched)
+    assert sched.stats()["queues"]["decoding"] == 4
+    counts = {f"r{i}": 0 for i in range(4)}
+    for _ in range(8):
+        plan, _ = step(sched)
+        for seq in plan.seqs:
+            counts[seq.request_id] += 1
+    assert counts == {"r0": 4, "r1": 4, "r2": 4, "r3": 4}
