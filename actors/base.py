@@ -71,6 +71,9 @@ class Actor:
     async def on_crash(self, exc: BaseException) -> None:
         """Called by the supervisor with the crashed state still in place."""
 
+    def after_message(self) -> None:
+        """Called after each handled message (actors that batch output flush here)."""
+
     def teardown(self) -> None:
         """Release what `reset` acquired (sockets, processes); runs however `run` ends."""
 
@@ -92,6 +95,7 @@ class Actor:
                             )
                             continue
                         await handler(msg)
+                        self.after_message()
                 finally:
                     self.running = False
                     nursery.cancel_scope.cancel()

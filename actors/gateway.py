@@ -67,7 +67,7 @@ class Gateway(Actor):
 
     async def on_outbound(self, msg: m.Outbound) -> None:
         try:
-            await self.socket.send_multipart([msg.connection, msg.frame])
+            await self.socket.send_multipart([msg.connection, *msg.frames])
         except PeerGone:
             stream = self.streams.get(msg.connection)
             if stream is not None:

@@ -68,6 +68,7 @@ class Stream(Actor):
         self.closed = False
 
     def reset(self) -> None:
+        self.outgoing: list[bytes] = []  # frames of this message's handling, sent together
         self.requests: dict[str, _Request] = {}
         self.last_heard = trio.current_time()
 
@@ -149,7 +150,9 @@ class Stream(Actor):
         self._close("failed", release=False)
 
     async def on_crash(self, exc: BaseException) -> None:
+        self.outgoing = []  # half-built output of the crashed handling
         self._fail_requests(f"stream failed: {type(exc).__name__}")
+        self.after_message()
 
     def _fail_requests(self, message: str) -> None:
         rids = tuple(r.daemon_id for r in self.requests.values())
@@ -180,6 +183,7 @@ class Stream(Actor):
             now = trio.current_time()
             if now - self.last_heard > cfg.heartbeat_timeout:
                 self._close("heartbeat timeout")
+                self.after_message()
                 return
             if now >= next_heartbeat:
                 self._send(m.Heartbeat())
@@ -196,6 +200,7 @@ class Stream(Actor):
                     request.finished = m.Finished(request.client_id, m.FinishReason.TIMEOUT,
                                                   request.finished.usage, request.finished.timings)
                     self._flush(request)
+            self.after_message()
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -221,7 +226,13 @@ class Stream(Actor):
                 self.scheduler.put(m.Resume(request.daemon_id))
 
     def _send(self, msg: object) -> None:
-        self.gateway.put(m.Outbound(self.connection, self.codec.encode(msg)))
+        self.outgoing.append(self.codec.encode(msg))
+
+    def after_message(self) -> None:
+        # one multipart message per handled message: ZeroMQ wakes its I/O thread once
+        if self.outgoing:
+            frames, self.outgoing = tuple(self.outgoing), []
+            self.gateway.put(m.Outbound(self.connection, frames))
 
 
 def _merge(chunks: deque[m.Chunk]) -> m.Chunk:

@@ -217,19 +217,20 @@ class AsyncClient:
 
     async def _receive_loop(self) -> None:
         while True:
-            frame = await self._socket.recv()
+            frames = await self._socket.recv_multipart()
             self._last_heard = trio.current_time()
-            try:
-                msg = self._codec.decode(frame)
-            except CodecError:
-                continue  # a daemon speaking another version; its Rejected explains elsewhere
-            if isinstance(msg, m.ServerInfo):
-                while self._info_waiters:
-                    self._info_waiters.pop(0).send_nowait(msg)
-                continue
-            pending = self._pending.get(getattr(msg, "request_id", ""))
-            if pending is not None:
-                pending.send.send_nowait(msg)
+            for frame in frames:  # the daemon batches messages into one multipart message
+                try:
+                    msg = self._codec.decode(frame)
+                except CodecError:
+                    continue  # not for this protocol version; nothing to route it to
+                if isinstance(msg, m.ServerInfo):
+                    while self._info_waiters:
+                        self._info_waiters.pop(0).send_nowait(msg)
+                    continue
+                pending = self._pending.get(getattr(msg, "request_id", ""))
+                if pending is not None:
+                    pending.send.send_nowait(msg)
 
     async def _heartbeats(self) -> None:
         while True:

@@ -376,10 +376,10 @@ class Deliver:
 
 @dataclass(frozen=True)
 class Outbound:
-    """Stream -> Gateway: an encoded frame for one client."""
+    """Stream -> Gateway: encoded messages for one client, sent as one multipart message."""
 
     connection: bytes
-    frame: bytes
+    frames: tuple[bytes, ...]
 
 
 @dataclass(frozen=True)

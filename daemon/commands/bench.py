@@ -1,0 +1,256 @@
+"""`sluice bench`: load-test a running daemon and report latency, throughput and fairness.
+
+Arrivals are Poisson at `--rate` requests/s, or a fixed number of requests in flight
+(`--concurrency`). It stops after `--requests` requests or `--duration` seconds. Requests
+come from `--workload` (JSON lines: prompt or prompt_ids, max_tokens, optional tenant) or
+repeat `--prompt`; `--tenants a:2,b:1` spreads them over tenants by weight. Reported: TTFT,
+TPOT, ITL and E2E percentiles, output tokens/s, goodput under the SLOs, rejections, and per
+tenant the tokens served and the Jain index of weight-normalised service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--connect", metavar="ADDR", default="tcp://127.0.0.1:7340")
+    parser.add_argument("--connect-control", metavar="ADDR", default=None,
+                        help="also read preemptions from the daemon's control socket")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, help="Poisson arrivals, requests per second")
+    load.add_argument("--concurrency", type=int, help="requests kept in flight (default 16)")
+    stop = parser.add_mutually_exclusive_group()
+    stop.add_argument("--duration", type=float, help="seconds to send requests for")
+    stop.add_argument("--requests", type=int, help="requests to send (default 100)")
+    parser.add_argument("--workload", help="JSON lines: prompt|prompt_ids, max_tokens, tenant")
+    parser.add_argument("--prompt", default="Write a short story about a lighthouse keeper.")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens")
+    parser.add_argument("--tenants", default=None, help="weights, e.g. a:2,b:1")
+    parser.add_argument("--connections", type=int, default=8, help="client connections to use")
+    parser.add_argument("--credit-window", type=int, default=64)
+    parser.add_argument("--slo-ttft", type=float, default=None, help="seconds")
+    parser.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@dataclass
+class Sample:
+    tenant: str
+    start: float
+    ttft: float | None = None
+    e2e: float = 0.0
+    tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    rejected: str | None = None  # the refusal code
+    finish_reason: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.tokens - 1)
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None, "p99": None}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+    return {"p50": pick(0.50), "p95": pick(0.95), "p99": pick(0.99)}
+
+
+def jain_index(values: list[float]) -> float | None:
+    if not values or not any(values):
+        return None
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
+def parse_tenants(spec: str | None) -> dict[str, float]:
+    if not spec:
+        return {"default": 1.0}
+    weights = {}
+    for part in spec.split(","):
+        name, _, weight = part.partition(":")
+        weights[name.strip()] = float(weight or 1)
+        if weights[name.strip()] <= 0:
+            raise ValueError(f"--tenants: weight of {name} must be > 0")
+    return weights
+
+
+def load_workload(args: argparse.Namespace) -> list[dict]:
+    if not args.workload:
+        return [{"prompt": args.prompt, "max_tokens": args.max_tokens}]
+    items = []
+    with open(args.workload) as handle:
+        for line in handle:
+            if line.strip():
+                items.append(json.loads(line))
+    if not items:
+        raise ValueError(f"--workload {args.workload} is empty")
+    return items
+
+
+async def _one(client, item: dict, tenant: str, args, samples: list[Sample]) -> None:
+    from sluice.ipc.errors import RejectedError
+
+    sample = Sample(tenant, time.perf_counter())
+    samples.append(sample)
+    kwargs = {k: item[k] for k in ("prompt", "prompt_ids", "messages") if k in item}
+    try:
+        generation = await client.generate(
+            **kwargs, max_tokens=int(item.get("max_tokens", args.max_tokens)),
+            temperature=args.temperature, ignore_eos=args.ignore_eos,
+            tenant=item.get("tenant", tenant),
+        )
+    except RejectedError as exc:
+        sample.rejected = exc.code.name.lower()
+        return
+    last = None
+    async for chunk in generation:
+        now = time.perf_counter()
+        if not chunk.token_ids:
+            continue
+        if sample.ttft is None:
+            sample.ttft = now - sample.start
+        elif last is not None:
+            sample.itl.append((now - last) / len(chunk.token_ids))
+        last = now
+        sample.tokens += len(chunk.token_ids)
+    sample.e2e = time.perf_counter() - sample.start
+    sample.finish_reason = generation.result.finish_reason
+
+
+async def run_load(args: argparse.Namespace) -> tuple[list[Sample], float, int | None]:
+    import trio
+
+    from sluice.ipc.client import AsyncClient
+    from sluice.ipc.control import fetch_status
+
+    workload = load_workload(args)
+    weights = parse_tenants(args.tenants)
+    names = list(weights)
+    rng = random.Random(args.seed)
+    total = args.requests if args.requests is not None else (None if args.duration else 100)
+    samples: list[Sample] = []
+    preempt_before = None
+    if args.connect_control:
+        preempt_before = (await fetch_status(args.connect_control)).counters.preemptions
+    started = time.perf_counter()
+    deadline = started + args.duration if args.duration else float("inf")
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(
+                AsyncClient(args.connect, credit_window=args.credit_window))
+            for _ in range(max(1, args.connections))
+        ]
+        async with trio.open_nursery() as nursery:
+            limiter = trio.Semaphore(args.concurrency or 16) if not args.rate else None
+            for n in itertools.count():
+                if (total is not None and n >= total) or time.perf_counter() >= deadline:
+                    break
+                if args.rate:
+                    await trio.sleep(rng.expovariate(args.rate))
+                else:
+                    await limiter.acquire()
+                item = workload[n % len(workload)]
+                tenant = rng.choices(names, weights=[weights[t] for t in names])[0]
+
+                async def task(client=clients[n % len(clients)], item=item, tenant=tenant):
+                    try:
+                        await _one(client, item, tenant, args, samples)
+                    finally:
+                        if limiter is not None:
+                            limiter.release()
+
+                nursery.start_soon(task)
+    seconds = time.perf_counter() - started
+    preemptions = None
+    if args.connect_control:
+        preemptions = (await fetch_status(args.connect_control)).counters.preemptions - preempt_before
+    return samples, seconds, preemptions
+
+
+def summarize(args, samples: list[Sample], seconds: float, preemptions: int | None) -> dict:
+    done = [s for s in samples if s.rejected is None]
+    output_tokens = sum(s.tokens for s in done)
+    weights = parse_tenants(args.tenants)
+    per_tenant = {}
+    for name in weights:
+        mine = [s for s in done if s.tenant == name]
+        tokens = sum(s.tokens for s in mine)
+        per_tenant[name] = {"requests": len(mine), "output_tokens": tokens,
+                            "normalized_service": tokens / weights[name]}
+    good = [s for s in done if s.ttft is not None
+            and (args.slo_ttft is None or s.ttft <= args.slo_ttft)
+            and (args.slo_tpot is None or (s.tpot or 0.0) <= args.slo_tpot)]
+    rejected_by_code: dict[str, int] = {}
+    for s in samples:
+        if s.rejected:
+            rejected_by_code[s.rejected] = rejected_by_code.get(s.rejected, 0) + 1
+    return {
+        "completed": len(done),
+        "rejected": len(samples) - len(done),
+        "rejected_by_code": rejected_by_code,
+        "output_tokens": output_tokens,
+        "seconds": seconds,
+        "output_tokens_per_s": output_tokens / seconds if seconds else 0.0,
+        "requests_per_s": len(done) / seconds if seconds else 0.0,
+        "goodput_requests_per_s": len(good) / seconds if seconds else 0.0,
+        "ttft": percentiles([s.ttft for s in done if s.ttft is not None]),
+        "tpot": percentiles([s.tpot for s in done if s.tpot is not None]),
+        "itl": percentiles([gap for s in done for gap in s.itl]),
+        "e2e": percentiles([s.e2e for s in done]),
+        "preemptions": preemptions,
+        "finish_reasons": {r: sum(s.finish_reason == r for s in done)
+                           for r in sorted({s.finish_reason for s in done})},
+        "tenants": per_tenant,
+        "jain_index": jain_index([t["normalized_service"] for t in per_tenant.values()]),
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}ms"
+
+
+def run(args: argparse.Namespace) -> int:
+    import trio
+
+    from sluice.ipc.errors import SluiceError
+
+    try:
+        samples, seconds, preemptions = trio.run(run_load, args)
+    except (SluiceError, ValueError, OSError) as exc:
+        print(f"sluice bench: {exc}", file=sys.stderr)
+        return 2
+    report = summarize(args, samples, seconds, preemptions)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"completed {report['completed']}  rejected {report['rejected']}  "
+          f"in {seconds:.2f}s  output {report['output_tokens']} tokens "
+          f"({report['output_tokens_per_s']:.0f} tok/s)  goodput "
+          f"{report['goodput_requests_per_s']:.2f} req/s")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        p = report[name]
+        print(f"{name:5s} p50 {_ms(p['p50'])}  p95 {_ms(p['p95'])}  p99 {_ms(p['p99'])}")
+    if report["preemptions"] is not None:
+        print(f"preemptions {report['preemptions']}")
+    if len(report["tenants"]) > 1:
+        for name, t in report["tenants"].items():
+            print(f"tenant {name}: {t['requests']} requests, {t['output_tokens']} tokens")
+        print(f"jain index {report['jain_index']:.3f}")
+    return 0
