@@ -1,0 +1,132 @@
+"""The Stream actor's backpressure and liveness rules, driven by messages on a virtual clock."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from sluice.actors.base import Inbox
+from sluice.actors.stream import Stream, StreamConfig
+from sluice.ipc import messages as m
+from sluice.ipc.codec import Codec
+
+CONFIG = StreamConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0, pause_timeout=3.0,
+                      high_watermark=3, low_watermark=1)
+client_codec = Codec(m.SERVER_MESSAGES)
+
+
+def drain(inbox: Inbox) -> list:
+    items = []
+    while True:
+        try:
+            items.append(inbox._recv.receive_nowait())
+        except trio.WouldBlock:
+            return items
+
+
+def sent_to_client(gateway: Inbox) -> list:
+    """Decoded client-bound messages, heartbeats left out."""
+    out = []
+    for item in drain(gateway):
+        if isinstance(item, m.Outbound):
+            out.extend(client_codec.decode(f) for f in item.frames)
+    return [msg for msg in out if not isinstance(msg, m.Heartbeat)]
+
+
+class Harness:
+    def __init__(self, nursery: trio.Nursery, config: StreamConfig = CONFIG):
+        self.gateway, self.tokenizer, self.scheduler = Inbox("g"), Inbox("t"), Inbox("s")
+        self.stream = Stream(b"conn", config=config, codec=Codec(), gateway=self.gateway,
+                             tokenizer=self.tokenizer, scheduler=self.scheduler)
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        await nursery.start(self.stream.run)
+
+    async def tell(self, msg) -> None:
+        self.stream.inbox.put(msg)
+        await trio.testing.wait_all_tasks_blocked()
+
+    async def generate(self, rid: str = "r", credits: int = 1) -> str:
+        await self.tell(m.Generate(rid, prompt="x", credits=credits))
+        [encode] = drain(self.tokenizer)
+        return encode.request_id
+
+    async def deliver(self, *items) -> None:
+        await self.tell(m.Deliver(tuple(items)))
+
+
+def chunk(text: str, token: int, rid: str = "r") -> m.Chunk:
+    return m.Chunk(rid, text, (token,))
+
+
+async def test_chunks_wait_for_credits_and_merge(autojump_clock, nursery) -> None:
+    h = Harness(nursery)
+    await h.start(nursery)
+    await h.generate(credits=1)
+    await h.deliver(chunk("a", 1), chunk("b", 2), chunk("c", 3),
+                    m.Finished("r", m.FinishReason.LENGTH))
+    first = sent_to_client(h.gateway)
+    assert [(c.text, c.token_ids) for c in first] == [("a", (1,))]
+    await h.tell(m.Credit("r", 1))
+    rest = sent_to_client(h.gateway)
+    assert isinstance(rest[0], m.Chunk) and (rest[0].text, rest[0].token_ids) == ("bc", (2, 3))
+    assert isinstance(rest[1], m.Finished) and rest[1].reason is m.FinishReason.LENGTH
+
+
+async def test_high_watermark_pauses_and_low_watermark_resumes(autojump_clock, nursery) -> None:
+    h = Harness(nursery)
+    await h.start(nursery)
+    rid = await h.generate(credits=0)
+    await h.deliver(*(chunk("t", i) for i in range(3)))
+    assert drain(h.scheduler) == []  # at the watermark, not past it
+    await h.deliver(chunk("t", 3))
+    assert drain(h.scheduler) == [m.Pause(rid)]
+    await h.tell(m.Credit("r", 1))  # the whole buffer leaves as one chunk
+    assert drain(h.scheduler) == [m.Resume(rid)]
+
+
+async def test_paused_past_pause_timeout_is_released_with_timeout(autojump_clock, nursery) -> None:
+    h = Harness(nursery)
+    await h.start(nursery)
+    rid = await h.generate(credits=0)
+    await h.deliver(*(chunk("t", i) for i in range(5)))
+    assert drain(h.scheduler) == [m.Pause(rid)]
+    for _ in range(4):  # keep the connection alive: it is slow, not gone
+        await trio.sleep(1)
+        await h.tell(m.Heartbeat())
+    assert drain(h.scheduler) == [m.Release((rid,), m.FinishReason.TIMEOUT)]
+    await h.deliver(m.Finished("r", m.FinishReason.TIMEOUT))
+    [finished] = sent_to_client(h.gateway)  # buffered chunks are dropped, not sent
+    assert finished.reason is m.FinishReason.TIMEOUT
+
+
+async def test_silent_client_is_gone_and_everything_released(autojump_clock, nursery) -> None:
+    h = Harness(nursery)
+    await h.start(nursery)
+    first = await h.generate("a")
+    second = await h.generate("b")
+    await trio.sleep(CONFIG.heartbeat_timeout + 1)
+    released = drain(h.scheduler)
+    assert released == [m.Release((first, second), m.FinishReason.CANCELLED)]
+    assert m.StreamClosed(b"conn") in drain(h.gateway)
+
+
+async def test_cancel_releases_and_drops_the_buffer(autojump_clock, nursery) -> None:
+    h = Harness(nursery)
+    await h.start(nursery)
+    rid = await h.generate(credits=0)
+    await h.deliver(chunk("a", 1))
+    await h.tell(m.Cancel("r"))
+    assert drain(h.scheduler) == [m.Release((rid,), m.FinishReason.CANCELLED)]
+    await h.deliver(m.Finished("r", m.FinishReason.CANCELLED))
+    [finished] = sent_to_client(h.gateway)
+    assert finished.reason is m.FinishReason.CANCELLED
+
+
+async def test_duplicate_request_id_is_rejected(autojump_clock, nursery) -> None:
+    h = Harness(nursery)
+    await h.start(nursery)
+    await h.generate("r")
+    await h.tell(m.Generate("r", prompt="again"))
+    [rejected] = sent_to_client(h.gateway)
+    assert isinstance(rejected, m.Rejected) and rejected.field == "request_id"
