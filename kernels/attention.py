@@ -191,8 +191,9 @@ def paged_attention(
     checks.check_attention_arguments(query, key_cache, value_cache, block_tables,
                                      query_start_loc, seq_lens, scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    launch_paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                           seq_lens, scale)
+    with checks.on_device(query):
+        launch_paged_attention(out, query, key_cache, value_cache, block_tables,
+                               query_start_loc, seq_lens, scale)
     return out
 
 

@@ -67,16 +67,18 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     _, block_size, kv_heads, head_dim = key_cache.shape
-    _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(kv_heads), HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
-    )
+    with checks.on_device(key):
+        _reshape_and_cache_kernel[(num_tokens,)](
+            key, value, key_cache, value_cache, slot_mapping,
+            key.stride(0), key.stride(1),
+            value.stride(0), value.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+            HEADS_PAD=triton.next_power_of_2(kv_heads),
+            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+            BLOCK_SIZE=block_size,
+        )
 
 
 def _check(key, value, key_cache, value_cache, slot_mapping) -> None:

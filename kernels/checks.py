@@ -10,6 +10,7 @@ Nothing here imports triton.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import weakref
@@ -71,6 +72,13 @@ def require_same_device(tensors: dict[str, torch.Tensor]) -> torch.device:
                          "(use the torch reference on CPU, or set TRITON_INTERPRET=1 before "
                          "importing triton)")
     return first
+
+
+def on_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make the tensor's GPU the current one for a launch: Triton launches on the current."""
+    if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
 
 
 class ValidatedValues:

@@ -114,13 +114,14 @@ def _launch_norm(out, summed, x, residual, weight, eps, *, add_residual: bool) -
         return
     hidden = x.shape[1]
     block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(x.shape[0],)](
-        out, summed, x, residual, weight,
-        out.stride(0), summed.stride(0), x.stride(0), residual.stride(0),
-        hidden, float(eps),
-        BLOCK=block, ADD_RESIDUAL=add_residual,
-        num_warps=min(16, max(1, block // 512)),
-    )
+    with checks.on_device(x):
+        _rms_norm_kernel[(x.shape[0],)](
+            out, summed, x, residual, weight,
+            out.stride(0), summed.stride(0), x.stride(0), residual.stride(0),
+            hidden, float(eps),
+            BLOCK=block, ADD_RESIDUAL=add_residual,
+            num_warps=min(16, max(1, block // 512)),
+        )
 
 
 def _check_norm(x, weight, eps) -> None:
@@ -191,13 +192,14 @@ def rotary_embedding(query: torch.Tensor, key: torch.Tensor, positions: torch.Te
     if num_tokens == 0:
         return query_out, key_out
     half = head_dim // 2
-    _rotary_kernel[(num_tokens,)](
-        query_out, key_out, query, key, positions, cos, sin,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        query_out.stride(0), query_out.stride(1), key_out.stride(0), key_out.stride(1),
-        cos.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=key.shape[1],
-        HEADS_PAD=triton.next_power_of_2(max(num_heads, key.shape[1])),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half),
-    )
+    with checks.on_device(query):
+        _rotary_kernel[(num_tokens,)](
+            query_out, key_out, query, key, positions, cos, sin,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+            query_out.stride(0), query_out.stride(1), key_out.stride(0), key_out.stride(1),
+            cos.stride(0),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=key.shape[1],
+            HEADS_PAD=triton.next_power_of_2(max(num_heads, key.shape[1])),
+            HALF=half, HALF_PAD=triton.next_power_of_2(half),
+        )
     return query_out, key_out
