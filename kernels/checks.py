@@ -85,7 +85,8 @@ class ValidatedValues:
     """Remembers which index tensors already passed a value check, by identity and version.
 
     Holding only weak references means a freed tensor can never be mistaken for a new one
-    that happens to reuse its id; the version counter catches in-place edits.
+    that happens to reuse its id; the version counter catches in-place edits made through
+    torch (not writes behind its back, such as through a shared numpy array).
     """
 
     def __init__(self) -> None:
