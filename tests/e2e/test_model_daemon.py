@@ -54,7 +54,7 @@ async def test_cancel_mid_stream_releases_kv_at_once(model_daemon) -> None:
         async with AsyncClient(model_daemon.listen, credit_window=1) as client:
             before = (await model_daemon.status()).counters.cancelled
             generation = await client.generate("Count from one to a hundred:", max_tokens=200,
-                                               temperature=0)
+                                               temperature=0, ignore_eos=True)
             async for _ in generation:
                 break
             await generation.cancel()
@@ -70,7 +70,8 @@ CLIENT_SCRIPT = textwrap.dedent("""
     import sys
     from sluice.ipc.client import Client
     with Client(sys.argv[1], heartbeat_interval=0.5) as client:
-        for chunk in client.generate("Write a long story about a dragon.", max_tokens=400):
+        for chunk in client.generate("Write a long story about a dragon.", max_tokens=400,
+                                      ignore_eos=True):
             print("chunk", flush=True)
 """)
 
@@ -106,7 +107,7 @@ async def test_slow_client_is_paused_then_timed_out(model_daemon, offline_greedy
     with trio.fail_after(120):
         async with AsyncClient(model_daemon.listen, credit_window=1) as slow:
             generation = await slow.generate("Tell me about the ocean.", max_tokens=300,
-                                             temperature=0)
+                                             temperature=0, ignore_eos=True)
             async for _ in generation:
                 break  # and then stop reading
             with trio.fail_after(30):
