@@ -82,11 +82,12 @@ class Daemon:
                                  max_model_len=max_model_len)
 
             self.tokenizer = Tokenizer(tokenizer, scheduler=scheduler_inbox)
-            self.scheduler = SchedulerActor(make_core, tokenizer=self.tokenizer.inbox,
-                                            executor=self.executor.inbox, inbox=scheduler_inbox)
             codec = Codec(m.SERVER_MESSAGES, max_frame_bytes=cfg.max_frame_bytes)
             client_codec = Codec(m.CLIENT_MESSAGES, max_frame_bytes=cfg.max_frame_bytes)
             gateway_inbox = Inbox("gateway")
+            self.scheduler = SchedulerActor(make_core, tokenizer=self.tokenizer.inbox,
+                                            executor=self.executor.inbox, inbox=scheduler_inbox,
+                                            downstream=(self.tokenizer.inbox, gateway_inbox))
 
             def make_stream(connection: bytes) -> Stream:
                 return Stream(connection, config=cfg.stream, codec=codec, gateway=gateway_inbox,

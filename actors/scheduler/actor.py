@@ -6,13 +6,19 @@ timeout, client gone, errors) are applied at once, so their KV is free in the sa
 iteration; pauses and resumes wait for the step in flight. `WorkerLost` voids the step in
 flight and sends every request holding KV back to the queue to recompute.
 
+Steps wait while the actors downstream (tokenizer, gateway) hold more than
+`downstream_limit` undelivered messages: inboxes are unbounded (actors form cycles), so this
+is what keeps a daemon that produces tokens faster than it can send them from queueing
+without bound; the decode loop slows to the speed of delivery instead.
+
 It also answers status queries: the numbers `sluice status` prints.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import structlog
 import trio
@@ -34,6 +40,11 @@ REASON_NAMES = {reason: reason.name.lower() for reason in m.FinishReason}
 _TOMBSTONES = 4096  # released-before-admitted ids remembered, oldest forgotten first
 
 
+@dataclass(frozen=True)
+class _Tick:
+    """Downstream has room again: try to step."""
+
+
 class SchedulerActor(Actor):
     name = "scheduler"
 
@@ -45,8 +56,12 @@ class SchedulerActor(Actor):
         executor: Inbox,
         worker_ready: bool = False,
         inbox: Inbox | None = None,
+        downstream: Sequence[Inbox] = (),
+        downstream_limit: int = 256,
     ):
         super().__init__(inbox=inbox)
+        self.downstream = tuple(downstream)
+        self.downstream_limit = downstream_limit
         self.make_core = make_core
         self.tokenizer = tokenizer
         self.executor = executor
@@ -63,6 +78,7 @@ class SchedulerActor(Actor):
         self.deferred: list[m.Pause | m.Resume] = []
         self.tombstones: OrderedDict[str, None] = OrderedDict()
         self.worker_ready = self.initial_worker_ready
+        self.waiting_for_room = False
 
     def handlers(self) -> dict[type, Handler]:
         return {
@@ -76,7 +92,27 @@ class SchedulerActor(Actor):
             m.WorkerReady: self.on_worker_ready,
             m.Drain: self.on_drain,
             m.Ask: self.on_ask,
+            _Tick: self.on_tick,
         }
+
+    async def background(self, nursery: trio.Nursery) -> None:
+        self._room = trio.Event()
+        nursery.start_soon(self._pace)
+
+    async def _pace(self) -> None:
+        while True:
+            await self._room.wait()
+            self._room = trio.Event()
+            while self._downstream_busy():
+                await trio.sleep(0.001)
+            self.inbox.put(_Tick())
+
+    def _downstream_busy(self) -> bool:
+        return sum(inbox.depth for inbox in self.downstream) > self.downstream_limit
+
+    async def on_tick(self, msg: _Tick) -> None:
+        self.waiting_for_room = False
+        self._maybe_step()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -168,6 +204,12 @@ class SchedulerActor(Actor):
 
     def _maybe_step(self) -> None:
         while self.in_flight is None and self.worker_ready and self.core.has_unfinished():
+            if self.waiting_for_room:
+                return
+            if self._downstream_busy():
+                self.waiting_for_room = True
+                self._room.set()
+                return
             plan = self.core.schedule()
             if plan.seqs:
                 self.in_flight = plan
