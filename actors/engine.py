@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from sluice.actors.executor.runner import ModelRunner
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
 from sluice.actors.scheduler.errors import InvalidRequest
-from sluice.actors.scheduler.plan import InvalidParams, RequestOutput, SamplingParams
+from sluice.actors.scheduler.plan import InvalidParams, RequestOutput, SamplingParams, StepResult
 from sluice.actors.text import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 
@@ -118,9 +118,8 @@ class Engine:
 
     def step(self) -> list[EngineOutput]:
         plan = self.scheduler.schedule()
-        if not plan.seqs:
-            return []
-        result = self.runner.execute(plan)
+        # update even an empty plan: the core may have ended requests while planning
+        result = self.runner.execute(plan) if plan.seqs else StepResult(plan.step_id)
         return [self._track(out) for out in self.scheduler.update(plan, result)]
 
     def _track(self, out: RequestOutput) -> EngineOutput:

@@ -3,8 +3,15 @@ engine factory that checks the KV invariant after each test that used it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # without a GPU Triton kernels only run in its interpreter, which must be chosen before
+    # triton is first imported by any test module
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -93,13 +93,15 @@ class LlamaModel:
     def random(cls, config: ModelConfig, device="cpu", dtype=torch.float32,
                seed: int = 0) -> LlamaModel:
         """Random weights of the given shape: for benchmarks of big shapes without a file."""
-        generator = torch.Generator(device="cpu").manual_seed(seed)
+        # drawn on the target device in the target dtype: an 8B shape never touches host memory
+        generator = torch.Generator(device=device).manual_seed(seed)
         weights = {}
         for name, shape in _weight_shapes(config).items():
             if name.endswith("norm"):
-                weights[name] = torch.ones(shape)
+                weights[name] = torch.ones(shape, device=device, dtype=dtype)
             else:
-                weights[name] = torch.randn(shape, generator=generator) * 0.02
+                weights[name] = torch.empty(shape, device=device, dtype=dtype).normal_(
+                    0.0, 0.02, generator=generator)
         return cls(config, weights, device=device, dtype=dtype)
 
     def new_kv_pool(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
