@@ -68,7 +68,7 @@ class Stream(Actor):
         self.closed = False
 
     def reset(self) -> None:
-        self.outgoing: list[bytes] = []  # frames of this message's handling, sent together
+        self.outgoing: list[list] = []  # messages of this message's handling, sent as one frame
         self.requests: dict[str, _Request] = {}
         self.last_heard = trio.current_time()
 
@@ -226,13 +226,14 @@ class Stream(Actor):
                 self.scheduler.put(m.Resume(request.daemon_id))
 
     def _send(self, msg: object) -> None:
-        self.outgoing.append(self.codec.encode(msg))
+        self.outgoing.append(self.codec.envelope(msg))
 
     def after_message(self) -> None:
-        # one multipart message per handled message: ZeroMQ wakes its I/O thread once
+        # one frame per handled message: a socket send per token would cost more than the
+        # rest of the daemon's work for that token
         if self.outgoing:
-            frames, self.outgoing = tuple(self.outgoing), []
-            self.gateway.put(m.Outbound(self.connection, frames))
+            envelopes, self.outgoing = self.outgoing, []
+            self.gateway.put(m.Outbound(self.connection, (self.codec.pack_envelopes(envelopes),)))
 
 
 def _merge(chunks: deque[m.Chunk]) -> m.Chunk:

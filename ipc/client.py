@@ -219,18 +219,22 @@ class AsyncClient:
         while True:
             frames = await self._socket.recv_multipart()
             self._last_heard = trio.current_time()
-            for frame in frames:  # the daemon batches messages into one multipart message
+            for frame in frames:
                 try:
-                    msg = self._codec.decode(frame)
+                    batch = self._codec.decode_batch(frame)  # the daemon batches messages
                 except CodecError:
                     continue  # not for this protocol version; nothing to route it to
-                if isinstance(msg, m.ServerInfo):
-                    while self._info_waiters:
-                        self._info_waiters.pop(0).send_nowait(msg)
-                    continue
-                pending = self._pending.get(getattr(msg, "request_id", ""))
-                if pending is not None:
-                    pending.send.send_nowait(msg)
+                for msg in batch:
+                    self._route(msg)
+
+    def _route(self, msg: Any) -> None:
+        if isinstance(msg, m.ServerInfo):
+            while self._info_waiters:
+                self._info_waiters.pop(0).send_nowait(msg)
+            return
+        pending = self._pending.get(getattr(msg, "request_id", ""))
+        if pending is not None:
+            pending.send.send_nowait(msg)
 
     async def _heartbeats(self) -> None:
         while True:

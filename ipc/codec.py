@@ -1,6 +1,7 @@
 """The one msgpack codec for every wire message.
 
-A frame is the msgpack array `[major, minor, tag, {field: value}]`. Decoding checks, in
+A frame is the msgpack array `[major, minor, tag, {field: value}]`, or a list of such arrays
+(a batch: the daemon sends a client all of one step's messages as one frame). Decoding checks, in
 order: the frame size limit, that the bytes are msgpack, the protocol major version, the tag
 (against the set of messages the receiver accepts), and then every field's type, naming the
 offending field (dotted for nested values). Decoding never raises anything but `CodecError`.
@@ -233,25 +234,50 @@ class Codec:
             _schema(cls)
         self._packer = msgpack.Packer(use_bin_type=True)
 
-    def encode(self, msg: Any) -> bytes:
+    def envelope(self, msg: Any) -> list:
+        """The msgpack-ready form of one message (what `encode_batch` packs)."""
         cls = type(msg)
-        body = _schema(cls).encode(msg)
-        return self._packer.pack([m.PROTOCOL_MAJOR, m.PROTOCOL_MINOR, cls.TAG, body])
+        return [m.PROTOCOL_MAJOR, m.PROTOCOL_MINOR, cls.TAG, _schema(cls).encode(msg)]
+
+    def encode(self, msg: Any) -> bytes:
+        return self._packer.pack(self.envelope(msg))
+
+    def pack_envelopes(self, envelopes: list[list]) -> bytes:
+        """One frame carrying several messages, in order."""
+        if len(envelopes) == 1:
+            return self._packer.pack(envelopes[0])
+        return self._packer.pack(envelopes)
+
+    def encode_batch(self, msgs: Iterable[Any]) -> bytes:
+        return self.pack_envelopes([self.envelope(msg) for msg in msgs])
 
     def decode(self, frame: bytes) -> Any:
+        raw = self._unpack(frame)
+        return self._decode_envelope(raw)
+
+    def decode_batch(self, frame: bytes) -> list[Any]:
+        """The messages of a frame that holds one message or a batch of them."""
+        raw = self._unpack(frame)
+        if type(raw) is list and raw and type(raw[0]) is list:
+            return [self._decode_envelope(item) for item in raw]
+        return [self._decode_envelope(raw)]
+
+    def _unpack(self, frame: bytes) -> Any:
         if len(frame) > self.max_frame_bytes:
             raise CodecError(
                 f"frame of {len(frame)} bytes exceeds the limit of {self.max_frame_bytes}",
                 field="frame",
             )
         try:
-            raw = msgpack.unpackb(
+            return msgpack.unpackb(
                 frame, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext
             )
         except _FieldError as exc:
             raise CodecError(exc.message, field="frame") from None
         except Exception as exc:  # msgpack raises many types for garbage input
             raise CodecError(f"not a msgpack frame ({type(exc).__name__})", field="frame") from None
+
+    def _decode_envelope(self, raw: Any) -> Any:
         if type(raw) is not list or len(raw) != 4:
             raise CodecError("expected [major, minor, tag, body]", field="frame")
         major, _minor, tag, body = raw

@@ -29,7 +29,7 @@ def sent_to_client(gateway: Inbox) -> list:
     out = []
     for item in drain(gateway):
         if isinstance(item, m.Outbound):
-            out.extend(client_codec.decode(f) for f in item.frames)
+            out.extend(msg for f in item.frames for msg in client_codec.decode_batch(f))
     return [msg for msg in out if not isinstance(msg, m.Heartbeat)]
 
 

@@ -139,3 +139,12 @@ def test_structured_garbage_is_rejected_with_a_field(major: object, tag: object,
             assert exc.code is m.RejectCode.PROTOCOL_VERSION
     else:
         assert type(msg) in m.CLIENT_MESSAGES
+
+
+def test_batches_keep_order_and_single_frames_still_decode() -> None:
+    codec = Codec()
+    msgs = [m.Chunk("a", "x", (1,)), m.Heartbeat(), m.Finished("a", m.FinishReason.STOP)]
+    assert codec.decode_batch(codec.encode_batch(msgs)) == msgs
+    assert codec.decode_batch(codec.encode(msgs[0])) == msgs[:1]
+    with pytest.raises(CodecError):
+        codec.decode_batch(msgpack.packb([[1, 0, 18, {}], "junk"]))
