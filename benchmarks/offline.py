@@ -153,14 +153,20 @@ def run_sluice(engine, workload: Workload) -> Result:
 
 
 def load_transformers(model_path: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+    """The same weights as dense `nn.Linear`s in `dtype`, as sluice holds them: a GGUF file is
+    dequantized at load time rather than left packed for transformers' GGUF matmul kernels."""
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     if model_path.is_dir():
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
                                                      attn_implementation="sdpa")
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
-                                                     dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path.parent, gguf_file=model_path.name, dtype=dtype, attn_implementation="sdpa",
+            quantization_config=GgufConfig(dequantize=True))
+    other = {str(p.dtype) for p in model.parameters() if p.dtype != dtype}
+    if other:
+        raise RuntimeError(f"transformers kept parameters in {sorted(other)}, not {dtype}")
     model.generation_config.eos_token_id = None  # never stop early: lengths are per request
     return model.eval()
 
@@ -314,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads
     torch.set_num_threads(threads)
     dtype = DTYPES[args.dtype]
-    model_path = resolve_model_path(args.model)
+    try:
+        model_path = resolve_model_path(args.model)
+    except Exception as exc:
+        print(f"offline.py: --model: {exc}", file=sys.stderr)
+        return 2
     tokenizer = load_tokenizer(model_path)
     corpus_ids = tokenizer.encode(stdlib_corpus())
     workload = make_workload(corpus_ids, args.requests, args.seed)
@@ -339,11 +349,17 @@ def main(argv: list[str] | None = None) -> int:
             results.append(Result("sluice", error=f"{type(exc).__name__}: {exc}"))
         log(_line(results[-1]))
     peers = [s for s in args.systems if s != "sluice"]
+    model, load_error = None, None
     if peers:
-        model = load_transformers(model_path, dtype)
+        try:
+            model = load_transformers(model_path, dtype)
+        except Exception as exc:
+            load_error = f"loading the transformers model: {type(exc).__name__}: {exc}"
         pad_id = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else 0
         for system in peers:
             try:
+                if load_error:
+                    raise RuntimeError(load_error)
                 if system == "transformers-cb":
                     budget = int(SchedulerConfig().token_budget)
                     results.append(run_cb(model, workload, DEFAULT_CPU_KV_BYTES, budget))
