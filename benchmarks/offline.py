@@ -7,7 +7,8 @@ excluded. Greedy, EOS ignored, per-request output lengths. The same run measures
 machine's peak matmul rate and reports sluice's share of that roofline.
 
     python benchmarks/offline.py [--requests N] [--seed S] [--dtype float32|bfloat16]
-                                 [--systems sluice,transformers-cb,...] [--json]
+                                 [--systems sluice,transformers-cb,...] [--threads N]
+                                 [--model PATH] [--json]
 
 What the peers are, and what counts as useful output, is written next to each runner below.
 Correctness is not this file's business (the test suite checks greedy parity); it only
