@@ -18,7 +18,7 @@ import trio
 
 from sluice.actors.base import Actor, Inbox
 from sluice.actors.control import Control
-from sluice.actors.executor.actor import Executor, WorkerSpec
+from sluice.actors.executor.actor import Executor
 from sluice.actors.executor.loader import resolve_model_path
 from sluice.actors.executor.null import NullExecutor
 from sluice.actors.gateway import Gateway
