@@ -3,7 +3,7 @@
 `sluiced serve` runs until SIGTERM or SIGINT, which drain it: no new admissions, running
 requests get `drain_deadline` seconds to finish, then exit 0. An actor that exhausts its
 restart budget takes the daemon down with exit code 70 so systemd restarts it whole. Once it
-serves, one line goes to stdout: `sluiced ready listen=ADDR control=ADDR`.
+serves, `sluiced ready listen=ADDR control=ADDR` goes to stdout, then the command to chat.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ async def serve(config) -> int:
             await nursery.start(daemon.run)
             print(f"sluiced ready listen={daemon.listen_address} control={daemon.control_address}",
                   flush=True)
+            print(f"chat with it:  sluice chat --connect {daemon.listen_address}", flush=True)
             sd_notify(f"READY=1\nSTATUS=serving on {daemon.listen_address}")
 
             async def watchdog() -> None:
