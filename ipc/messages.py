@@ -238,16 +238,109 @@ class StatusReport:
     invariant_errors: tuple[str, ...] = ()  # empty when consistent (or not checked)
 
 
+@dataclass(frozen=True)
+class Subscribe:
+    """Ask for a `ControlSnapshot` every 250 ms for `ttl` seconds; renew before it runs out."""
+
+    TAG: ClassVar[int] = 34
+    ttl: float = 5.0
+
+
+@dataclass(frozen=True)
+class ControlSnapshot:
+    TAG: ClassVar[int] = 35
+    seq: int  # increases by one per snapshot the daemon publishes
+    status: StatusReport
+    # queues per state and tenant, KV with watermarks, latest plan, latency percentiles,
+    # throughput, tenants and live requests: plain maps, see SchedulerActor.detail()
+    detail: Any = None
+
+
+@dataclass(frozen=True)
+class DrainCommand:
+    """Stop admitting; running requests get `deadline` seconds, then are cancelled."""
+
+    TAG: ClassVar[int] = 36
+    deadline: float | None = None  # None waits for every running request
+
+
+@dataclass(frozen=True)
+class ResumeCommand:
+    """Admit again after a drain."""
+
+    TAG: ClassVar[int] = 37
+
+
+@dataclass(frozen=True)
+class ReconcileCommand:
+    """Compare the request table, block table and live connections; free what is orphaned."""
+
+    TAG: ClassVar[int] = 38
+
+
+@dataclass(frozen=True)
+class RecoverCommand:
+    """Restart the worker (or bring a stopped one back); interrupted requests recompute."""
+
+    TAG: ClassVar[int] = 39
+
+
+@dataclass(frozen=True)
+class CancelCommand:
+    TAG: ClassVar[int] = 40
+    request_id: str  # the daemon-wide id shown by the console and `status`
+
+
+@dataclass(frozen=True)
+class TenantSet:
+    """Change one tenant's weight or limits at run time (unset fields keep their value)."""
+
+    TAG: ClassVar[int] = 41
+    name: str
+    weight: float | None = None
+    max_running: int | None = None
+    max_queued: int | None = None
+    max_context: int | None = None
+    max_new_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class InjectFault:
+    """Debug builds only (`debug_faults` in the config): break the daemon on purpose.
+
+    Kinds: `leak_block` (a KV block referenced by no request), `vanish_stream` (drop one
+    connection's stream without telling anyone), `worker_down` (stop the worker).
+    """
+
+    TAG: ClassVar[int] = 42
+    kind: str
+
+
+@dataclass(frozen=True)
+class CommandReply:
+    TAG: ClassVar[int] = 43
+    command: str  # drain | resume | reconcile | recover | cancel | tenant | fault
+    ok: bool
+    message: str  # one line for the operator
+    findings: tuple[str, ...] = ()  # reconcile: every discrepancy found (and fixed)
+
+
 WIRE_MESSAGES: tuple[type, ...] = (
     Generate, Credit, Cancel, Heartbeat, Describe,
     Accepted, Rejected, Chunk, Finished, Error, ServerInfo,
     StatusQuery, StatusReport,
+    Subscribe, ControlSnapshot, DrainCommand, ResumeCommand, ReconcileCommand, RecoverCommand,
+    CancelCommand, TenantSet, InjectFault, CommandReply,
 )  # fmt: skip
 CLIENT_MESSAGES: tuple[type, ...] = (Generate, Credit, Cancel, Heartbeat, Describe)
 SERVER_MESSAGES: tuple[type, ...] = (
     Accepted, Rejected, Chunk, Finished, Error, ServerInfo, Heartbeat
 )  # fmt: skip
-CONTROL_REQUESTS: tuple[type, ...] = (StatusQuery,)
+CONTROL_REQUESTS: tuple[type, ...] = (
+    StatusQuery, Subscribe, DrainCommand, ResumeCommand, ReconcileCommand, RecoverCommand,
+    CancelCommand, TenantSet, InjectFault,
+)  # fmt: skip
+CONTROL_REPLIES: tuple[type, ...] = (StatusReport, ControlSnapshot, CommandReply, Rejected)
 
 
 # -- internal (between actors of one daemon; never encoded) ---------------------------------
@@ -402,3 +495,19 @@ class Ask:
 
     query: Any
     reply_to: Any
+
+
+@dataclass(frozen=True)
+class Undrain:
+    """Control -> Gateway and Scheduler: admit again."""
+
+
+@dataclass(frozen=True)
+class Operate:
+    """Control -> Scheduler: an operator command; a `CommandReply` goes to `reply_to`.
+
+    `connections` is the set of live client connections (for reconcile)."""
+
+    command: Any
+    reply_to: Any
+    connections: frozenset[bytes] = frozenset()
