@@ -60,6 +60,7 @@ class Gateway(Actor):
             m.Outbound: self.on_outbound,
             m.StreamClosed: self.on_stream_closed,
             m.Drain: self.on_drain,
+            m.Undrain: self.on_undrain,
         }
 
     async def background(self, nursery: trio.Nursery) -> None:
@@ -81,6 +82,18 @@ class Gateway(Actor):
 
     async def on_drain(self, msg: m.Drain) -> None:
         self.draining = True
+
+    async def on_undrain(self, msg: m.Undrain) -> None:
+        self.draining = False
+
+    def vanish(self, connection: bytes) -> bool:
+        """Debug fault: drop a connection's stream without a word to anyone."""
+        stream = self.streams.pop(connection, None)
+        if stream is None:
+            return False
+        self.supervisor.stop_child(stream)
+        stream.inbox.close()
+        return True
 
     async def _receive_loop(self) -> None:
         while True:
