@@ -1,15 +1,20 @@
-"""The Control actor: the operator-facing ROUTER socket (status today; drain and more later).
+"""The Control actor: the operator-facing ROUTER socket.
 
 Requests are decoded with the control codec and answered one at a time; status comes from
-the Scheduler as a `Snapshot`. Bad frames get `Rejected` naming the problem.
+the Scheduler as a `Snapshot`. Bad frames get `Rejected` naming the problem. Subscribers get
+a `ControlSnapshot` every 250 ms until their subscription lapses. Operator commands (drain,
+resume, reconcile, recover, cancel, tenant set) are answered with a `CommandReply`; what the
+scheduler owns is done by the scheduler (`Operate`), the worker's restart by a hook the
+daemon provides. Fault injection exists only when the daemon was configured for it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
 
+import structlog
 import trio
 import zmq
 
@@ -18,12 +23,34 @@ from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
 from sluice.ipc.sockets import PeerGone, Socket
 
+log = structlog.get_logger("sluice.control")
+
+
+SNAPSHOT_INTERVAL = 0.25  # seconds between snapshots to subscribers
+
+
+@dataclass
+class ControlHooks:
+    """What the daemon lets the Control actor do beyond messages."""
+
+    gateway: Inbox | None = None  # told Drain / Undrain
+    connection_ids: Callable[[], frozenset[bytes]] = frozenset  # live client connections
+    recover: Callable[[], Awaitable[str]] | None = None  # restart the worker; a line to report
+    # debug-only faults by kind; None when the daemon does not allow fault injection
+    faults: dict[str, Callable[[], Awaitable[str]]] | None = None
+    on_snapshot: list[Callable[[m.ControlSnapshot], None]] = field(default_factory=list)
+
 
 class Control(Actor):
     name = "control"
 
-    def __init__(self, address: str, *, scheduler: Inbox, connections: Callable[[], int] | None = None):
+    def __init__(self, address: str, *, scheduler: Inbox, connections: Callable[[], int] | None = None,
+                 hooks: ControlHooks | None = None):
         super().__init__()
+        self.hooks = hooks or ControlHooks()
+        self.subscribers: dict[bytes, float] = {}  # identity -> subscription end (trio clock)
+        self.seq = 0
+        self.drain_epoch = 0  # bumped by resume, so an old drain deadline does nothing
         self.listen = address
         self.address: str | None = None
         self.scheduler = scheduler
@@ -48,7 +75,10 @@ class Control(Actor):
         return {}
 
     async def background(self, nursery: trio.Nursery) -> None:
+        self._send_lock = trio.Lock()
+        self._nursery = nursery
         nursery.start_soon(self._serve)
+        nursery.start_soon(self._publish)
 
     async def status(self, query: m.StatusQuery) -> m.StatusReport:
         reply = Inbox("control-reply")
@@ -67,11 +97,97 @@ class Control(Actor):
                 if len(rest) != 1:
                     raise CodecError("expected exactly one frame", field="frame")
                 query = self.codec.decode(rest[0])
-                answer = await self.status(query)
+                if isinstance(query, m.StatusQuery):
+                    answer = await self.status(query)
+                else:
+                    answer = await self.command(identity, query)
             except CodecError as exc:
                 answer = m.Rejected(exc.request_id, exc.code, exc.message, exc.field)
+            await self._send(identity, answer)
+
+    async def _send(self, identity: bytes, answer: object) -> bool:
+        async with self._send_lock:
             try:
                 await self.socket.send_multipart([identity, self.codec.encode(answer)])
             except PeerGone:
-                pass
+                return False
+        return True
+
+    async def snapshot(self) -> m.ControlSnapshot:
+        reply = Inbox("control-reply")
+        self.scheduler.put(m.Ask(m.Subscribe(), reply))
+        with trio.fail_after(10):
+            snap = await reply.get()
+        self.seq += 1
+        status = snap.status
+        if self.connections is not None:
+            status = replace(status, connections=self.connections())
+        return replace(snap, seq=self.seq, status=status)
+
+    async def _publish(self) -> None:
+        while True:
+            await trio.sleep(SNAPSHOT_INTERVAL)
+            now = trio.current_time()
+            for identity, until in list(self.subscribers.items()):
+                if until < now:
+                    del self.subscribers[identity]
+            if not self.subscribers and not self.hooks.on_snapshot:
+                continue
+            snap = await self.snapshot()
+            for observer in self.hooks.on_snapshot:
+                observer(snap)
+            for identity in list(self.subscribers):
+                if not await self._send(identity, snap):
+                    self.subscribers.pop(identity, None)
+
+    async def _operate(self, command: object) -> m.CommandReply:
+        reply = Inbox("control-reply")
+        self.scheduler.put(m.Operate(command, reply, self.hooks.connection_ids()))
+        with trio.fail_after(10):
+            return await reply.get()
+
+    async def command(self, identity: bytes, command: object) -> object:
+        """Carry out one operator command and say what happened."""
+        hooks = self.hooks
+        if isinstance(command, m.Subscribe):
+            self.subscribers[identity] = trio.current_time() + max(0.5, min(command.ttl, 60.0))
+            return await self.snapshot()
+        if isinstance(command, m.DrainCommand):
+            if hooks.gateway is not None:
+                hooks.gateway.put(m.Drain(command.deadline))
+            answer = await self._operate(command)
+            if command.deadline is not None:
+                self._nursery.start_soon(self._drain_deadline, command.deadline, self.drain_epoch)
+            log.info("drain", deadline=command.deadline)
+            return answer
+        if isinstance(command, m.ResumeCommand):
+            self.drain_epoch += 1
+            if hooks.gateway is not None:
+                hooks.gateway.put(m.Undrain())
+            self.scheduler.put(m.Undrain())
+            log.info("resume")
+            return m.CommandReply("resume", True, "admitting again")
+        if isinstance(command, m.RecoverCommand):
+            if hooks.recover is None:
+                return m.CommandReply("recover", False, "this daemon cannot restart its worker")
+            message = await hooks.recover()
+            log.info("recover", result=message)
+            return m.CommandReply("recover", True, message)
+        if isinstance(command, m.InjectFault):
+            if hooks.faults is None:
+                return m.CommandReply("fault", False, "fault injection is disabled")
+            if command.kind == "leak_block":
+                return await self._operate(command)
+            inject = hooks.faults.get(command.kind)
+            if inject is None:
+                return m.CommandReply("fault", False, f"unknown fault {command.kind!r}")
+            return m.CommandReply("fault", True, await inject())
+        answer = await self._operate(command)
+        log.info("operator command", command=answer.command, ok=answer.ok)
+        return answer
+
+    async def _drain_deadline(self, deadline: float, epoch: int) -> None:
+        await trio.sleep(deadline)
+        if epoch == self.drain_epoch:
+            await self._operate("release_all")
 
