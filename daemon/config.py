@@ -74,6 +74,9 @@ class DaemonConfig:
     executor: str = "model"  # model | null
     drain_deadline: float = 30.0  # seconds SIGTERM waits for running requests
     max_frame_bytes: int = 4 * 1024 * 1024
+    metrics_port: int | None = None  # Prometheus text and /health over HTTP; None: off
+    metrics_host: str = "127.0.0.1"
+    debug_faults: bool = False  # accept InjectFault on the control socket (tests only)
     stream: StreamConfig = StreamConfig()
     worker: WorkerSpec = WorkerSpec()
     null: NullSettings = NullSettings()

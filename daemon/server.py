@@ -17,7 +17,7 @@ import structlog
 import trio
 
 from sluice.actors.base import Actor, Inbox
-from sluice.actors.control import Control
+from sluice.actors.control import Control, ControlHooks
 from sluice.actors.executor.actor import Executor
 from sluice.actors.executor.loader import resolve_model_path
 from sluice.actors.executor.null import NullExecutor
@@ -101,7 +101,8 @@ class Daemon:
                                    info=m.ServerInfo(m.PROTOCOL_VERSION, model_name, max_model_len))
             self.gateway.inbox = gateway_inbox
             self.control = Control(cfg.control_address, scheduler=scheduler_inbox,
-                                   connections=lambda: len(self.gateway.streams))
+                                   connections=lambda: len(self.gateway.streams),
+                                   hooks=self._control_hooks(gateway_inbox))
             for actor in (self.scheduler, self.tokenizer, self.gateway, self.control):
                 await self.supervisor.start_child(actor)
             log.info("ready", listen=self.gateway.address, control=self.control.address,
@@ -109,6 +110,40 @@ class Daemon:
             task_status.started(self)
             await self.stopped.wait()
             nursery.cancel_scope.cancel()
+
+    def _control_hooks(self, gateway_inbox: Inbox) -> ControlHooks:
+        faults = None
+        if self.config.debug_faults:
+            faults = {"worker_down": self._stop_worker, "vanish_stream": self._vanish_stream}
+        return ControlHooks(gateway=gateway_inbox,
+                            connection_ids=lambda: frozenset(self.gateway.streams),
+                            recover=self.recover, faults=faults)
+
+    async def recover(self) -> str:
+        """Restart the worker: start a stopped one, or replace a running one."""
+        executor = self.executor
+        if isinstance(executor, Executor) and executor.running and executor.process is not None:
+            executor.kill_worker()  # the executor starts a fresh worker and re-verifies it
+            return "worker killed; a new one is starting"
+        if executor.running:
+            await self._stop_worker()
+        await self.supervisor.start_child(executor)
+        return "worker started"
+
+    async def _stop_worker(self) -> str:
+        executor = self.executor
+        self.supervisor.stop_child(executor)
+        with trio.fail_after(30):
+            while executor.running:
+                await trio.sleep(0.01)
+        self.scheduler.inbox.put(m.WorkerLost("worker stopped"))
+        return "worker stopped"
+
+    async def _vanish_stream(self) -> str:
+        connections = list(self.gateway.streams)
+        if not connections or not self.gateway.vanish(connections[-1]):
+            return "no stream to drop"
+        return f"dropped the stream of connection {connections[-1].hex()}"
 
     def _make_executor(self, tokenizer, scheduler_inbox: Inbox):
         cfg = self.config
