@@ -16,6 +16,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("sluice.daemon.commands.simulate", "run a scheduling scenario without a model"),
     "bench": ("sluice.daemon.commands.bench", "load-test a running daemon"),
     "status": ("sluice.daemon.commands.status", "show the daemon's state"),
+    "drain": ("sluice.daemon.commands.drain", "stop admitting; running requests finish"),
+    "resume": ("sluice.daemon.commands.resume", "admit again after a drain"),
+    "reconcile": ("sluice.daemon.commands.reconcile", "find and free orphaned requests and KV"),
+    "recover": ("sluice.daemon.commands.recover", "restart the worker and re-admit its requests"),
+    "cancel": ("sluice.daemon.commands.cancel", "cancel one request by id"),
+    "tenants": ("sluice.daemon.commands.tenants", "list tenants, or change one's weight/limits"),
+    "top": ("sluice.daemon.commands.top", "the live console"),
 }
 
 

@@ -1,0 +1,18 @@
+"""`sluice reconcile`: compare the request table, the KV block table and the live
+connections; free what is orphaned and print every discrepancy found and fixed."""
+
+from __future__ import annotations
+
+import argparse
+
+from sluice.tui.operator import add_common_arguments, run_command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sluice.ipc import messages as m
+
+    return run_command(args, m.ReconcileCommand())

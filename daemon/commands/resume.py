@@ -1,0 +1,17 @@
+"""`sluice resume`: admit new requests again after `sluice drain`."""
+
+from __future__ import annotations
+
+import argparse
+
+from sluice.tui.operator import add_common_arguments, run_command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sluice.ipc import messages as m
+
+    return run_command(args, m.ResumeCommand())

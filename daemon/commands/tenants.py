@@ -1,0 +1,58 @@
+"""`sluice tenants`: list tenants (weight, share, running, queued, tokens, preemptions), or
+`sluice tenants set NAME --weight W --max-running N ...` to change one at run time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from sluice.tui.operator import add_common_arguments, control_address, run_command
+
+_LIMITS = ("max_running", "max_queued", "max_context", "max_new_tokens")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    parser.add_argument("action", nargs="?", choices=("list", "set"), default="list")
+    parser.add_argument("name", nargs="?", help="tenant to change (with 'set')")
+    parser.add_argument("--weight", type=float, default=None)
+    for limit in _LIMITS:
+        parser.add_argument(f"--{limit.replace('_', '-')}", type=int, default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sluice.ipc import messages as m
+
+    if args.action == "set":
+        if not args.name:
+            print("sluice tenants set: a tenant NAME is required", file=sys.stderr)
+            return 2
+        limits = {k: getattr(args, k) for k in _LIMITS}
+        return run_command(args, m.TenantSet(args.name, weight=args.weight, **limits))
+    return _list(args)
+
+
+def _list(args: argparse.Namespace) -> int:
+    from sluice.ipc import messages as m
+    from sluice.ipc.control import send_command_sync
+    from sluice.ipc.errors import SluiceError
+
+    try:
+        snap = send_command_sync(control_address(args), m.Subscribe(ttl=0.5),
+                                 timeout=args.timeout)
+    except SluiceError as exc:
+        print(f"sluice tenants: {exc}", file=sys.stderr)
+        return 2
+    tenants = (snap.detail or {}).get("tenants", {})
+    if args.json:
+        print(json.dumps(tenants))
+        return 0
+    total = sum(t["service"] for t in tenants.values()) or 1.0
+    print(f"{'tenant':<16}{'weight':>8}{'share':>8}{'running':>9}{'queued':>8}"
+          f"{'tokens':>10}{'preempt':>9}")
+    for name, t in sorted(tenants.items()):
+        tokens = t["prefill_tokens"] + t["decode_tokens"]
+        print(f"{name:<16}{t['weight']:>8g}{t['service'] / total:>8.0%}{t['running']:>9}"
+              f"{t['waiting']:>8}{tokens:>10}{t['preemptions']:>9}")
+    return 0
