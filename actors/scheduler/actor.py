@@ -159,6 +159,7 @@ class SchedulerActor(Actor):
         out = self.core.finish(msg.request_id, reason="stop")
         if out is not None:
             self.counters["finished"] += 1  # the tokenizer already sent the Finished
+            _log_end(out)
         self._maybe_step()
 
     async def on_pause_or_resume(self, msg: m.Pause | m.Resume) -> None:
@@ -181,6 +182,7 @@ class SchedulerActor(Actor):
         if plan is None or plan.step_id != result.step_id:
             return  # a step voided by WorkerLost
         self.in_flight = None
+        self.latency.step(plan, trio.current_time() - self.step_sent)
         self._emit(self.core.update(plan, result))
         self._after_step()
 
@@ -216,6 +218,7 @@ class SchedulerActor(Actor):
             plan = self.core.schedule()
             if plan.seqs:
                 self.in_flight = plan
+                self.step_sent = trio.current_time()
                 self.executor.put(plan)
                 return
             # nothing to run (everything paused or waiting for KV); flush ended requests
@@ -232,6 +235,7 @@ class SchedulerActor(Actor):
             if out.finished:
                 key = "cancelled" if out.finish_reason in ("cancelled", "timeout") else "finished"
                 self.counters[key] += 1
+                _log_end(out)
         self.tokenizer.put(m.StepOutputs(tuple(outputs)))
 
     def _tombstone(self, rid: str) -> None:
@@ -390,6 +394,13 @@ class SchedulerActor(Actor):
         stats["draining"] = self.draining
         return stats
 
+def _log_end(out: RequestOutput) -> None:
+    """One line per ended request: ids, reason and lengths, never its text."""
+    log.info("request ended", request_id=out.request_id, reason=out.finish_reason,
+             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+             preemptions=out.preemptions)
+
+
 async def wait_idle(actor: SchedulerActor, poll: float = 0.05) -> None:
     """Return once the scheduler has no request left (used by drain)."""
     while not actor.idle:
@@ -400,7 +411,8 @@ class LatencyLog:
     """Time to first token, inter-token latency and output tokens, from the outputs emitted.
 
     Keeps the latest samples for percentiles; `observers` get each sample as it happens
-    (`(kind, seconds, tenant)`, kind `ttft` or `itl`), which is how metrics histograms fill.
+    (`(kind, value, tenant)`, kind `ttft`, `itl`, `iteration`, `decode_batch` or
+    `prefill_chunk`), which is how metrics histograms fill.
     """
 
     def __init__(self, keep: int = 2048):
@@ -429,6 +441,15 @@ class LatencyLog:
                 self.last_token[out.request_id] = now
             if out.finished:
                 self.last_token.pop(out.request_id, None)
+
+    def step(self, plan: StepPlan, seconds: float) -> None:
+        """One executed iteration: its duration, prefill chunk sizes and decode batch size."""
+        for observer in self.observers:
+            observer("iteration", seconds, "")
+            observer("decode_batch", float(plan.decode_tokens), "")
+            for seq in plan.seqs:
+                if not (len(seq.token_ids) == 1 and seq.num_generated > 0):  # not a decode
+                    observer("prefill_chunk", float(len(seq.token_ids)), "")
 
     def _observe(self, kind: str, seconds: float, tenant: str) -> None:
         (self.ttft if kind == "ttft" else self.itl).append(seconds)
