@@ -1,22 +1,24 @@
 """`sluiced`: the daemon's entry point — flags, logging, signals, exit codes.
 
 `sluiced serve` runs until SIGTERM or SIGINT, which drain it: no new admissions, running
-requests get `drain_deadline` seconds to finish, then exit 0. An actor that exhausts its
-restart budget takes the daemon down with exit code 70 so systemd restarts it whole. Once it
-serves, `sluiced ready listen=ADDR control=ADDR` goes to stdout, then the command to chat.
+requests get `drain_deadline` seconds to finish, then exit 0. SIGHUP re-reads the config's
+tenants and limits. An actor that exhausts its restart budget takes the daemon down with exit
+code 70 so systemd restarts it whole. Once it serves, `sluiced ready listen=ADDR control=ADDR
+[metrics=PORT]` goes to stdout, then the command to chat; systemd hears READY=1 (`notify.py`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
-import socket
 import sys
 
 import structlog
 import trio
+
+from sluice.daemon.logs import configure_logging
+from sluice.daemon.notify import keepalive, notify, reloading
 
 EXIT_ESCALATED = 70
 EXIT_CONFIG = 78
@@ -39,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--pause-timeout", type=float, help="seconds a paused request may wait")
     serve.add_argument("--drain-deadline", type=float, help="seconds SIGTERM waits")
     serve.add_argument("--log-level", default=os.environ.get("SLUICE_LOG_LEVEL", "info"))
+    serve.add_argument("--metrics-port", type=int,
+                       help="serve Prometheus /metrics and /health on this port (0: any free)")
     return parser
 
 
@@ -50,6 +54,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "control": args.control,
         "executor": executor,
         "drain_deadline": args.drain_deadline,
+        "metrics_port": args.metrics_port,
         "stream.heartbeat_timeout": args.heartbeat_timeout,
         "stream.pause_timeout": args.pause_timeout,
         "worker.num_blocks": args.num_blocks if executor != "null" else None,
@@ -59,58 +64,45 @@ def _overrides(args: argparse.Namespace) -> dict:
     }
 
 
-def configure_logging(level: str) -> None:
-    """Console logs on a TTY, JSON otherwise (journald); never prompt or output text."""
-    renderer = (structlog.dev.ConsoleRenderer() if sys.stderr.isatty()
-                else structlog.processors.JSONRenderer())
-    structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper("iso"),
-                    renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            getattr(logging, level.upper(), logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
-
-
-def sd_notify(state: str) -> None:
-    """Tell systemd (Type=notify) about readiness and status; a no-op outside systemd."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.sendto(state.encode(), address)
-        except OSError:
-            pass
-
-
-async def serve(config) -> int:
+async def serve(config, config_path: str | None = None, overrides: dict | None = None) -> int:
     from sluice.daemon.server import Daemon
 
     daemon = Daemon(config)
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(daemon.run)
-            print(f"sluiced ready listen={daemon.listen_address} control={daemon.control_address}",
-                  flush=True)
+            metrics = "" if daemon.metrics_port is None else f" metrics={daemon.metrics_port}"
+            print(f"sluiced ready listen={daemon.listen_address} control={daemon.control_address}"
+                  + metrics, flush=True)
             print(f"chat with it:  sluice chat --connect {daemon.listen_address}", flush=True)
-            sd_notify(f"READY=1\nSTATUS=serving on {daemon.listen_address}")
-
-            async def watchdog() -> None:
-                while True:
-                    sd_notify("WATCHDOG=1")
-                    await trio.sleep(5)
-
-            nursery.start_soon(watchdog)
-            async for _ in signals:
-                sd_notify("STOPPING=1\nSTATUS=draining")
+            notify(f"READY=1\nSTATUS=serving on {daemon.listen_address}")
+            nursery.start_soon(keepalive, daemon.summary)
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    reload(daemon, config_path, overrides)
+                    continue
+                notify("STOPPING=1\nSTATUS=draining")
                 finished = await daemon.drain()
                 structlog.get_logger("sluice.daemon").info("stopped", drained=finished)
                 nursery.cancel_scope.cancel()
                 break
     return 0
+
+
+def reload(daemon, config_path: str | None, overrides: dict | None) -> None:
+    """SIGHUP: re-read the config file and apply its tenants (weights and limits)."""
+    from sluice.daemon.config import ConfigFileError, load_config
+
+    reloading()
+    log = structlog.get_logger("sluice.daemon")
+    try:
+        config = load_config(config_path, overrides)
+        names = daemon.reload_tenants(config)
+    except (ConfigFileError, TypeError, ValueError) as exc:
+        log.error("reload failed; keeping the running config", error=str(exc))
+    else:
+        log.info("reloaded", tenants=names)
+    notify(f"READY=1\nSTATUS={daemon.summary()}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,13 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     from sluice.daemon.config import ConfigFileError, load_config
 
     try:
-        config = load_config(args.config, _overrides(args))
+        overrides = _overrides(args)
+        config = load_config(args.config, overrides)
     except (ConfigFileError, TypeError, ValueError) as exc:
         print(f"sluiced: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     code = 0
     try:
-        code = trio.run(serve, config)
+        code = trio.run(serve, config, args.config, overrides)
     except* Escalation as group:
         print(f"sluiced: {group.exceptions[0]}; exiting", file=sys.stderr)
         code = EXIT_ESCALATED

@@ -1,0 +1,44 @@
+"""Logging for sluiced: structlog, JSON lines when stderr is not a TTY (journald), a
+readable console otherwise.
+
+Log lines carry request ids, tenants, token counts and timings, never prompt or output
+text: `drop_text` removes any field whose name says it holds text, so a careless call site
+cannot leak a prompt into the journal.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+TEXT_FIELDS = frozenset({"prompt", "prompt_text", "text", "output", "output_text", "messages",
+                         "content", "completion", "delta"})
+
+
+def drop_text(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    for name in TEXT_FIELDS & event.keys():
+        event[name] = "<redacted>"
+    return event
+
+
+def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
+    """Console logs on a TTY, JSON otherwise; `level` is a logging level name."""
+    if json is None:
+        json = not sys.stderr.isatty()
+    processors: list[Any] = [structlog.contextvars.merge_contextvars,
+                             structlog.processors.add_log_level,
+                             structlog.processors.TimeStamper("iso"), drop_text]
+    if json:
+        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    else:
+        processors.append(structlog.dev.ConsoleRenderer())
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(
+            getattr(logging, level.upper(), logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
