@@ -52,6 +52,7 @@ class Daemon:
         self.tokenizer: Tokenizer | None = None
         self.gateway: Gateway | None = None
         self.control: Control | None = None
+        self.metrics_port: int | None = None  # bound port of /metrics, when enabled
 
     @property
     def listen_address(self) -> str:
@@ -105,11 +106,38 @@ class Daemon:
                                    hooks=self._control_hooks(gateway_inbox))
             for actor in (self.scheduler, self.tokenizer, self.gateway, self.control):
                 await self.supervisor.start_child(actor)
+            if cfg.metrics_port is not None:
+                await self._start_metrics(nursery)
             log.info("ready", listen=self.gateway.address, control=self.control.address,
                      executor=cfg.executor, kv_blocks=facts.num_blocks)
             task_status.started(self)
             await self.stopped.wait()
             nursery.cancel_scope.cancel()
+
+    async def _start_metrics(self, nursery: trio.Nursery) -> None:
+        from sluice.daemon.metrics import Metrics, serve_metrics
+
+        metrics = Metrics(lambda: self.scheduler)
+        self.scheduler.latency.observers.append(metrics.observe)
+        self.metrics_port = await nursery.start(serve_metrics, metrics, self.config.metrics_host,
+                                                self.config.metrics_port)
+
+    def summary(self) -> str:
+        """One line for systemd's STATUS=."""
+        report = self.scheduler.report()
+        req = report.requests
+        return (f"{report.state}; worker {report.worker.state}; running {req.running}, "
+                f"waiting {req.waiting}, paused {req.paused}; KV used {report.kv.used_blocks}/"
+                f"{report.kv.total_blocks}")
+
+    def reload_tenants(self, config: DaemonConfig) -> list[str]:
+        """Apply the tenants (weights, limits) of a re-read config; names of those changed."""
+        tenants = SchedulerConfig.from_dict({**config.scheduler, "kv_blocks": 1}).tenants
+        reply = Inbox("reload-reply")
+        for name, tenant in tenants.items():
+            self.scheduler.inbox.put(m.Operate(m.TenantSet(name, **dataclasses.asdict(tenant)),
+                                               reply))
+        return sorted(tenants)
 
     def _control_hooks(self, gateway_inbox: Inbox) -> ControlHooks:
         faults = None

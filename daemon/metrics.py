@@ -1,0 +1,194 @@
+"""Prometheus metrics and `/health` over HTTP, served from the daemon's own event loop.
+
+Histograms are filled as things happen (the scheduler's `LatencyLog` observers: time to
+first token, inter-token latency, iteration time, prefill chunk and decode batch sizes);
+gauges and totals are read from the scheduler when scraped, so `sluice_kv_blocks` always
+equals what a snapshot taken at the same moment says. Names follow DESIGN §10.
+
+`/health` answers 200 while serving with a ready worker, 503 while draining or while the
+worker is down. Nothing here binds a port unless `metrics_port` is configured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import structlog
+import trio
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+log = structlog.get_logger("sluice.metrics")
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_BATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_REQUEST_LIMIT = 8192  # bytes of request line and headers we read before giving up
+
+
+class Metrics:
+    """The daemon's metric registry; `observe` is the scheduler's latency observer."""
+
+    def __init__(self, scheduler: Callable[[], Any]):
+        self.scheduler = scheduler  # () -> the SchedulerActor (it is replaced on restart)
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.ttft = Histogram("sluice_time_to_first_token_seconds",
+                              "Arrival to first generated token", ["tenant"],
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("sluice_inter_token_latency_seconds",
+                             "Time between generated tokens of one request", ["tenant"],
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.iteration = Histogram("sluice_scheduler_iteration_seconds",
+                                   "Plan sent to result applied, per iteration",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_chunk = Histogram("sluice_prefill_chunk_tokens",
+                                       "Tokens per prefill chunk", buckets=_TOKEN_BUCKETS,
+                                       registry=r)
+        self.decode_batch = Histogram("sluice_decode_batch_size",
+                                      "Decoding sequences per iteration",
+                                      buckets=_BATCH_BUCKETS, registry=r)
+        r.register(_SchedulerCollector(scheduler))
+
+    def observe(self, kind: str, value: float, tenant: str) -> None:
+        if kind == "ttft":
+            self.ttft.labels(tenant).observe(value)
+        elif kind == "itl":
+            self.itl.labels(tenant).observe(value)
+        elif kind == "iteration":
+            self.iteration.observe(value)
+        elif kind == "prefill_chunk":
+            self.prefill_chunk.observe(value)
+        elif kind == "decode_batch":
+            self.decode_batch.observe(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def healthy(self) -> tuple[bool, str]:
+        report = self.scheduler().report()
+        if report.state != "serving":
+            return False, report.state
+        if report.worker.state != "ready":
+            return False, f"worker {report.worker.state}"
+        return True, "serving"
+
+
+class _SchedulerCollector:
+    """Gauges and totals read from the scheduler at scrape time."""
+
+    def __init__(self, scheduler: Callable[[], Any]):
+        self.scheduler = scheduler
+
+    def collect(self) -> Iterator[Any]:
+        actor = self.scheduler()
+        report = actor.report()
+        stats = actor.core.stats()
+        kv = GaugeMetricFamily("sluice_kv_blocks", "KV cache blocks by state", labels=["state"])
+        for state, value in (("free", report.kv.free_blocks), ("cached", report.kv.cached_blocks),
+                             ("used", report.kv.used_blocks), ("total", report.kv.total_blocks)):
+            kv.add_metric([state], value)
+        yield kv
+        yield GaugeMetricFamily("sluice_prefix_cache_hit_ratio",
+                                "Prefix cache hits per lookup since start",
+                                value=stats["kv"]["prefix_cache_hit_ratio"])
+        queues = GaugeMetricFamily("sluice_live_requests", "Live requests by state", labels=["state"])
+        for state, value in stats["queues"].items():
+            queues.add_metric([state], value)
+        yield queues
+        yield CounterMetricFamily("sluice_preemptions", "Requests preempted (KV released)",
+                                  value=report.counters.preemptions)
+        outcomes = CounterMetricFamily("sluice_requests", "Requests by outcome",
+                                       labels=["outcome"])
+        for outcome in ("accepted", "finished", "cancelled", "rejected"):
+            outcomes.add_metric([outcome], getattr(report.counters, outcome))
+        yield outcomes
+        tenants = stats["tenants"]
+        per_tenant = {
+            "sluice_tenant_requests": ("Ended or rejected requests per tenant", "outcome",
+                                       {"finished": "finished", "rejected": "rejected"}),
+            "sluice_tenant_tokens": ("Tokens computed per tenant", "kind",
+                                     {"prefill": "prefill_tokens", "decode": "decode_tokens",
+                                      "cached": "cached_tokens",
+                                      "recomputed": "recomputed_tokens"}),
+        }
+        for name, (help_text, label, fields) in per_tenant.items():
+            family = CounterMetricFamily(name, help_text, labels=["tenant", label])
+            for tenant, values in tenants.items():
+                for value_label, key in fields.items():
+                    family.add_metric([tenant, value_label], values[key])
+            yield family
+        preempted = CounterMetricFamily("sluice_tenant_preemptions", "Preemptions per tenant",
+                                        labels=["tenant"])
+        running = GaugeMetricFamily("sluice_tenant_running", "Running requests per tenant",
+                                    labels=["tenant"])
+        for tenant, values in tenants.items():
+            preempted.add_metric([tenant], values["preemptions"])
+            running.add_metric([tenant], values["running"])
+        yield preempted
+        yield running
+        yield GaugeMetricFamily("sluice_worker_up", "1 when the worker passed its health check",
+                                value=1.0 if report.worker.state == "ready" else 0.0)
+        yield CounterMetricFamily("sluice_worker_restarts", "Worker restarts",
+                                  value=report.worker.restarts)
+        yield GaugeMetricFamily("sluice_draining", "1 while the daemon does not admit",
+                                value=1.0 if report.state != "serving" else 0.0)
+
+
+async def serve_metrics(metrics: Metrics, host: str, port: int, *,
+                        task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `/metrics` and `/health` on host:port; `started()` gets the bound port."""
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    bound = listeners[0].socket.getsockname()[1]
+    log.info("metrics listening", host=host, port=bound)
+
+    async def handle(stream: trio.SocketStream) -> None:
+        try:
+            with trio.move_on_after(10):
+                await _answer(stream, metrics)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async with trio.open_nursery() as nursery:
+        task_status.started(bound)
+        await trio.serve_listeners(handle, listeners, handler_nursery=nursery)
+
+
+async def _answer(stream: trio.SocketStream, metrics: Metrics) -> None:
+    data = b""
+    while b"\r\n\r\n" not in data and b"\n\n" not in data:
+        chunk = await stream.receive_some(4096)
+        if not chunk:
+            return
+        data += chunk
+        if len(data) > _REQUEST_LIMIT:
+            await _respond(stream, 431, b"request too large\n")
+            return
+    parts = data.split(b"\r\n", 1)[0].split()
+    if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):
+        await _respond(stream, 405, b"only GET\n")
+        return
+    path = parts[1].split(b"?", 1)[0]
+    if path == b"/metrics":
+        await _respond(stream, 200, metrics.render(), CONTENT_TYPE_LATEST)
+    elif path == b"/health":
+        ok, why = metrics.healthy()
+        await _respond(stream, 200 if ok else 503, why.encode() + b"\n")
+    else:
+        await _respond(stream, 404, b"not found: try /metrics or /health\n")
+
+
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+
+
+async def _respond(stream: trio.SocketStream, status: int, body: bytes,
+                   content_type: str = "text/plain; charset=utf-8") -> None:
+    head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    await stream.send_all(head + body)
