@@ -1,0 +1,50 @@
+"""Logs are JSON lines off a TTY, name requests by id with lengths, and never carry prompt or
+output text: a load whose prompts carry a unique marker leaves no line containing it."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import structlog
+import trio
+
+from sluice.daemon.logs import configure_logging
+from sluice.ipc.client import AsyncClient
+
+MARKER = "qzv-PRIVATE-7731"
+
+
+async def test_a_marked_load_leaves_no_trace_of_its_text_in_the_logs(sluiced, tmp_path) -> None:
+    log = tmp_path / "sluiced.log"
+    process, fields = sluiced(["--executor", "null", "--listen", "tcp://127.0.0.1:0",
+                               "--control", f"ipc://{tmp_path}/control.sock",
+                               "--log-level", "debug"], log=log)
+    with trio.fail_after(60):
+        async with AsyncClient(fields["listen"], tenant=f"t-{MARKER[:3]}") as client:
+            for i in range(4):
+                await (await client.generate(f"{MARKER} prompt {i}", max_tokens=8)).collect()
+            await (await client.generate(messages=[{"role": "user", "content": MARKER}],
+                                         max_tokens=4)).collect()
+            await (await client.generate("plain", max_tokens=30, stop=[MARKER, "lazy"])).collect()
+            cancelled = await client.generate(MARKER * 3, max_tokens=3000)
+            await cancelled.cancel()
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=30)
+    lines = log.read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # every line is one JSON object
+    ended = [r for r in records if r["event"] == "request ended"]
+    assert len(ended) == 7
+    assert all(r["prompt_tokens"] > 0 and "/" in r["request_id"] for r in ended)
+    assert not [line for line in lines if MARKER in line]
+
+
+def test_fields_named_for_text_are_redacted(capsys) -> None:
+    saved = structlog.get_config()
+    try:
+        configure_logging("info", json=True)
+        structlog.get_logger("t").info("careless", prompt=MARKER, output=MARKER, tokens=3)
+    finally:
+        structlog.configure(**saved)
+    line = capsys.readouterr().err.strip()
+    assert MARKER not in line and json.loads(line)["tokens"] == 3
