@@ -27,7 +27,7 @@ def prompt_ids(offline_greedy, i: int) -> list[int]:
 
 
 async def stream_one(address: str, ids: list[int], max_tokens: int, results: dict, key) -> None:
-    async with AsyncClient(address, credit_window=4) as client:
+    async with AsyncClient(address, credit_window=4, daemon_timeout=60) as client:
         generation = await client.generate(prompt_ids=ids, max_tokens=max_tokens, temperature=0)
         streamed = []
         async for chunk in generation:
