@@ -16,7 +16,7 @@ import structlog
 import trio
 import zmq
 
-from sluice.actors.base import Actor, Handler
+from sluice.actors.base import Actor, Handler, Inbox
 from sluice.actors.stream import Stream
 from sluice.actors.supervisor import Supervisor
 from sluice.ipc import messages as m
@@ -37,8 +37,9 @@ class Gateway(Actor):
         supervisor: Supervisor,
         make_stream: Callable[[bytes], Stream],
         info: m.ServerInfo,
+        inbox: Inbox | None = None,
     ):
-        super().__init__()
+        super().__init__(inbox=inbox)
         self.listen = listen
         self.codec = codec
         self.supervisor = supervisor

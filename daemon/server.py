@@ -99,8 +99,8 @@ class Daemon:
                 model_name = "null (fake tokens)"
             self.gateway = Gateway(cfg.listen, codec=client_codec, supervisor=self.supervisor,
                                    make_stream=make_stream,
-                                   info=m.ServerInfo(m.PROTOCOL_VERSION, model_name, max_model_len))
-            self.gateway.inbox = gateway_inbox
+                                   info=m.ServerInfo(m.PROTOCOL_VERSION, model_name, max_model_len),
+                                   inbox=gateway_inbox)
             self.control = Control(cfg.control_address, scheduler=scheduler_inbox,
                                    connections=lambda: len(self.gateway.streams),
                                    hooks=self._control_hooks(gateway_inbox))
