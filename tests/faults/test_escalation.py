@@ -1,0 +1,43 @@
+"""An actor that keeps crashing exhausts its restart budget and takes the daemon down."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from sluice.actors.supervisor import Escalation
+from sluice.daemon.config import load_config
+from sluice.daemon.server import Daemon
+from sluice.ipc.client import AsyncClient
+
+
+class AlwaysFailingTokenizer:
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def encode(self, text):
+        raise RuntimeError("injected persistent fault")
+
+
+async def test_restart_budget_exhausted_escalates_out_of_the_daemon(tmp_path) -> None:
+    config = load_config(None, {"listen": "tcp://127.0.0.1:0", "executor": "null",
+                                "control": f"ipc://{tmp_path}/control.sock"})
+    daemon = Daemon(config)
+    budget = daemon.supervisor.policy.max_restarts
+    reasons = []
+    with pytest.RaisesGroup(Escalation, flatten_subgroups=True):
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(daemon.run)
+                daemon.tokenizer.tokenizer = AlwaysFailingTokenizer(daemon.tokenizer.tokenizer)
+                async with AsyncClient(daemon.listen_address) as client:
+                    for _ in range(budget + 1):
+                        generation = await client.generate("boom", max_tokens=2)
+                        reasons.append((await generation.collect()).finish_reason)
+                await trio.sleep_forever()  # the escalation ends this
+    # each crash within the budget ended its request with an error; the crash past the
+    # budget stops the daemon before anything more is sent
+    assert reasons == ["error"] * budget
