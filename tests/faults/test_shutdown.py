@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from sluice.ipc.client import AsyncClient
-from sluice.ipc.errors import DrainingError
+from sluice.ipc.errors import DaemonGone, DrainingError
 
 
 async def test_sigterm_drains_running_requests_and_exits_zero(tmp_path, daemon_process) -> None:
@@ -33,3 +33,20 @@ async def test_sigterm_drains_running_requests_and_exits_zero(tmp_path, daemon_p
             assert len(running.result.token_ids) == 300
         code = await trio.to_thread.run_sync(process.wait)
     assert code == 0
+
+
+async def test_client_learns_that_a_killed_daemon_is_gone(tmp_path, daemon_process) -> None:
+    process, listen, _ = daemon_process(
+        ["--executor", "null", "--listen", "tcp://127.0.0.1:0",
+         "--control", f"ipc://{tmp_path}/control.sock", "--pause-timeout", "60"],
+    )
+    with trio.fail_after(60):
+        async with AsyncClient(listen, credit_window=1, heartbeat_interval=0.2,
+                               daemon_timeout=2.0) as client:
+            generation = await client.generate("hi", max_tokens=1000)
+            async for _ in generation:
+                break
+            process.send_signal(signal.SIGKILL)
+            with pytest.raises(DaemonGone):
+                async for _ in generation:
+                    pass
