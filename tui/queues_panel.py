@@ -1,0 +1,42 @@
+"""Requests by state, overall and per tenant, and the latest plan's composition."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from textual.widgets import Static
+
+from sluice.ipc import messages as m
+
+STATES = ("waiting", "prefilling", "decoding", "paused", "preempted")
+
+
+class QueuesPanel(Static):
+    DEFAULT_CSS = "QueuesPanel { width: 1fr; height: auto; border: round $secondary; }"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.border_title = "queues"
+        self.plain = ""
+
+    def show(self, snapshot: m.ControlSnapshot) -> None:
+        detail = snapshot.detail or {}
+        queues = detail.get("queues", {})
+        table = Table.grid(padding=(0, 1))
+        table.add_column("tenant")
+        for state in STATES:
+            table.add_column(state, justify="right")
+        table.add_row("[b]all[/b]", *(str(queues.get(s, 0)) for s in STATES))
+        for name, tenant in sorted(detail.get("tenants", {}).items()):
+            per = tenant.get("queues", {})
+            table.add_row(name, *(str(per.get(s, 0)) for s in STATES))
+        step = detail.get("last_step", {})
+        counters = snapshot.status.counters
+        lines = [" ".join(f"{s} {queues.get(s, 0)}" for s in STATES),
+                 f"plan: prefill {int(step.get('prefill_tokens', 0))} tokens, "
+                 f"decode {int(step.get('decode_tokens', 0))}; "
+                 f"preemptions {counters.preemptions}, rejected {counters.rejected}"]
+        self.plain = "\n".join(lines)
+        grid = Table.grid()
+        grid.add_row(table)
+        grid.add_row(lines[1])
+        self.update(grid)

@@ -1,0 +1,30 @@
+"""Tenants: weight, share of the service so far, running, queued, tokens, preemptions."""
+
+from __future__ import annotations
+
+from textual.widgets import DataTable
+
+from sluice.ipc import messages as m
+
+COLUMNS = ("tenant", "weight", "share", "running", "queued", "tokens", "preemptions")
+
+
+class TenantsTable(DataTable):
+    DEFAULT_CSS = "TenantsTable { height: auto; max-height: 8; border: round $secondary; }"
+
+    def __init__(self, **kwargs):
+        super().__init__(cursor_type="none", **kwargs)
+        self.border_title = "tenants"
+
+    def on_mount(self) -> None:
+        self.add_columns(*COLUMNS)
+
+    def show(self, snapshot: m.ControlSnapshot) -> None:
+        tenants = (snapshot.detail or {}).get("tenants", {})
+        total = sum(t.get("service", 0.0) for t in tenants.values()) or 1.0
+        self.clear()
+        for name, t in sorted(tenants.items()):
+            self.add_row(name, f"{t['weight']:g}", f"{t['service'] / total:.0%}",
+                         str(t["running"]), str(t["waiting"]),
+                         str(t["prefill_tokens"] + t["decode_tokens"]), str(t["preemptions"]),
+                         key=name)
