@@ -59,8 +59,10 @@ def paged_attention(
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """[..., n_blocks] block ids -> [..., n_blocks * block_size, kv_heads, head_dim]."""
-    gathered = cache[block_ids]
-    return gathered.flatten(-4, -3)
+    # index_select copies whole blocks at memcpy speed; advanced indexing is ~3x slower here
+    # (padding entries may be -1: they are masked out, any real block will do)
+    gathered = cache.index_select(0, block_ids.reshape(-1).clamp(min=0))
+    return gathered.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
 
 
 def _attend_decodes(query, key_cache, value_cache, block_tables, starts, lengths, decodes,
@@ -87,14 +89,18 @@ def _attend_chunk(query, key_cache, value_cache, table, start, q_len, ctx_len, b
                   scale, out) -> None:
     n_blocks = -(-ctx_len // block_size)
     ids = table[:n_blocks].long()
-    keys = _gather(key_cache, ids)[:ctx_len].transpose(0, 1)  # [kvh, L, d]
-    values = _gather(value_cache, ids)[:ctx_len].transpose(0, 1)
-    q = query[start:start + q_len].transpose(0, 1)  # [H, q, d]
+    keys = _gather(key_cache, ids)[:ctx_len].transpose(0, 1)[None]  # [1, kvh, L, d]
+    values = _gather(value_cache, ids)[:ctx_len].transpose(0, 1)[None]
+    q = query[start:start + q_len].transpose(0, 1)[None]  # [1, H, q, d]
     first_pos = ctx_len - q_len
-    query_pos = torch.arange(first_pos, ctx_len)[:, None]
-    visible = (torch.arange(ctx_len)[None, :] <= query_pos).to(query.device)  # [q, L]
+    if first_pos == 0:
+        # a chunk with no cached context is plain causal attention: no mask to build or read
+        mask, causal = None, True
+    else:
+        query_pos = torch.arange(first_pos, ctx_len, device=query.device)[:, None]
+        mask, causal = torch.arange(ctx_len, device=query.device)[None, :] <= query_pos, False
     attended = F.scaled_dot_product_attention(
-        q.to(keys.dtype), keys, values, attn_mask=visible, scale=scale,
-        enable_gqa=q.shape[0] != keys.shape[0],
+        q.to(keys.dtype), keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
     )
-    out[start:start + q_len] = attended.transpose(0, 1).to(out.dtype)
+    out[start:start + q_len] = attended[0].transpose(0, 1).to(out.dtype)
