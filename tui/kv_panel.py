@@ -57,7 +57,7 @@ class KVPanel(Vertical):
         high, low = info.get("high_watermark", 1.0), info.get("low_watermark", 1.0)
         self.history.append(used)
         line = (f"used {kv.used_blocks}/{kv.total_blocks} ({used:.0%})  free {kv.free_blocks}"
-                f"  cached {kv.cached_blocks}  watermarks L {low:.0%} H {high:.0%}")
+                f"  cached {kv.cached_blocks}  L {low:.0%} H {high:.0%}")
         self.plain = line
         text = gauge(used, high, low)
         text.append("\n" + line)

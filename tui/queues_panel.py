@@ -8,6 +8,7 @@ from textual.widgets import Static
 from sluice.ipc import messages as m
 
 STATES = ("waiting", "prefilling", "decoding", "paused", "preempted")
+HEADERS = {"prefilling": "prefill", "decoding": "decode", "preempted": "preempt"}
 
 
 class QueuesPanel(Static):
@@ -21,10 +22,10 @@ class QueuesPanel(Static):
     def show(self, snapshot: m.ControlSnapshot) -> None:
         detail = snapshot.detail or {}
         queues = detail.get("queues", {})
-        table = Table.grid(padding=(0, 1))
+        table = Table(box=None, pad_edge=False, header_style="bold", padding=(0, 1))
         table.add_column("tenant")
         for state in STATES:
-            table.add_column(state, justify="right")
+            table.add_column(HEADERS.get(state, state), justify="right")
         table.add_row("[b]all[/b]", *(str(queues.get(s, 0)) for s in STATES))
         for name, tenant in sorted(detail.get("tenants", {}).items()):
             per = tenant.get("queues", {})
@@ -32,9 +33,9 @@ class QueuesPanel(Static):
         step = detail.get("last_step", {})
         counters = snapshot.status.counters
         lines = [" ".join(f"{s} {queues.get(s, 0)}" for s in STATES),
-                 f"plan: prefill {int(step.get('prefill_tokens', 0))} tokens, "
+                 f"plan: prefill {int(step.get('prefill_tokens', 0))} tok, "
                  f"decode {int(step.get('decode_tokens', 0))}; "
-                 f"preemptions {counters.preemptions}, rejected {counters.rejected}"]
+                 f"preempted {counters.preemptions}, rejected {counters.rejected}"]
         self.plain = "\n".join(lines)
         grid = Table.grid()
         grid.add_row(table)

@@ -1,0 +1,64 @@
+"""Pins the look of the main screen: a fixed snapshot rendered at a fixed size must give the
+SVG stored beside this file. After an intended change of the look, regenerate it with
+`SLUICE_UPDATE_SNAPSHOTS=1` and review the new SVG."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from console_helpers import drive
+
+from sluice.ipc import messages as m
+from sluice.tui.app import SluiceTop
+
+GOLDEN = Path(__file__).parent / "snapshots" / "main_screen.svg"
+
+
+def fixed_snapshot() -> m.ControlSnapshot:
+    status = m.StatusReport(
+        state="serving", worker=m.WorkerStatus("ready", 1, 4242),
+        kv=m.KVStatus(total_blocks=1024, free_blocks=600, used_blocks=384, cached_blocks=40),
+        requests=m.RequestCounts(waiting=3, running=4, paused=1),
+        counters=m.Counters(accepted=120, finished=110, cancelled=2, rejected=5, preemptions=7),
+        connections=3)
+    tenant = {"queues": {}, "service": 0.0, "virtual_time": 0.0, "cached_tokens": 0,
+              "recomputed_tokens": 0, "kv_block_seconds": 0.0, "finished": 0, "rejected": 0}
+    detail = {
+        "queues": {"waiting": 3, "prefilling": 1, "decoding": 3, "paused": 1, "preempted": 0},
+        "kv": {"high_watermark": 0.95, "low_watermark": 0.85, "admission_open": True},
+        "last_step": {"prefill_tokens": 512, "decode_tokens": 3},
+        "latency": {"tokens_per_second": 1830.0, "ttft": {"p50": 0.042}, "itl": {"p50": 0.0121}},
+        "tenants": {
+            "chat": {**tenant, "weight": 4.0, "service": 3000.0, "running": 3, "waiting": 1,
+                     "prefill_tokens": 2400, "decode_tokens": 600, "preemptions": 2,
+                     "queues": {"decoding": 3, "waiting": 1}},
+            "batch": {**tenant, "weight": 1.0, "service": 1000.0, "running": 1, "waiting": 2,
+                      "prefill_tokens": 900, "decode_tokens": 100, "preemptions": 5,
+                      "queues": {"prefilling": 1, "waiting": 2, "paused": 1}},
+        },
+        "requests": [
+            {"id": f"0a0b0c0d/{i}", "tenant": "chat" if i % 2 else "batch",
+             "state": "decoding" if i < 4 else "waiting", "age": 1.5 * i,
+             "prompt_tokens": 100 + i, "output_tokens": 10 * i, "blocks": i,
+             "paused": i == 2}
+            for i in range(6)
+        ],
+    }
+    return m.ControlSnapshot(seq=1, status=status, detail=detail)
+
+
+def test_main_screen_looks_as_pinned() -> None:
+    async def body() -> str:
+        app = SluiceTop("ipc:///run/sluice/control.sock", connect=False)
+        async with app.run_test(size=(120, 44)) as pilot:
+            app.apply_snapshot(fixed_snapshot())
+            await pilot.pause()
+            return app.export_screenshot(title="sluice top")
+
+    svg = drive(body)
+    if os.environ.get("SLUICE_UPDATE_SNAPSHOTS") == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(svg)
+    assert GOLDEN.exists(), "no pinned screen: run once with SLUICE_UPDATE_SNAPSHOTS=1"
+    assert svg == GOLDEN.read_text(), f"the main screen changed; compare with {GOLDEN.name}"
