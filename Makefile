@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/sluice generate --offline --chat "What is the capital of France?"
+	$(PY) -m sluice.daemon.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
