@@ -155,8 +155,9 @@ class Daemon:
             return "worker killed; a new one is starting"
         if executor.running:
             await self._stop_worker()
-        await self.supervisor.start_child(executor)
-        return "worker started"
+        # a model worker takes a while to load and verify: do not hold the control socket
+        self._nursery.start_soon(self.supervisor.start_child, executor)
+        return "worker starting; it serves once it passes its health check"
 
     async def _stop_worker(self) -> str:
         executor = self.executor
