@@ -15,7 +15,7 @@ if _NAME not in sys.modules:
     _module = importlib.util.module_from_spec(_spec)
     sys.modules[_NAME] = _module
     _spec.loader.exec_module(_module)
-start_daemon_process = sys.modules[_NAME].start_daemon_process
+start_daemon_process = sys.modules[_NAME].start_daemon_process  # noqa: F401 (re-exported)
 
 
 def start_console_daemon(folder: Path, name: str = "daemon", extra: str = ""):
