@@ -67,6 +67,23 @@ class NullSettings:
 
 
 @dataclass(frozen=True)
+class AuthSettings:
+    """CURVE on the client socket: the server's secret key and each tenant's client keys.
+
+    ```toml
+    [auth]
+    server_secret_key = "..."          # Z85, 40 characters (`sluice keygen` style pair)
+    [auth.tenants]
+    chat = ["<client public key, Z85>", ...]
+    ```
+    With a server key set, only listed client keys connect, and a request is attributed to
+    the tenant of its key whatever tenant it names."""
+
+    server_secret_key: str | None = None
+    tenants: dict[str, Any] = field(default_factory=dict)  # tenant -> [public keys, Z85]
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     listen: str = DEFAULT_LISTEN
     control: str | None = None  # None: an ipc socket in the runtime directory
@@ -81,13 +98,15 @@ class DaemonConfig:
     worker: WorkerSpec = WorkerSpec()
     null: NullSettings = NullSettings()
     scheduler: dict[str, Any] = field(default_factory=dict)
+    auth: AuthSettings = AuthSettings()
 
     @property
     def control_address(self) -> str:
         return self.control or default_control_address()
 
 
-_SECTIONS = {"stream": StreamConfig, "worker": WorkerSpec, "null": NullSettings}
+_SECTIONS = {"stream": StreamConfig, "worker": WorkerSpec, "null": NullSettings,
+             "auth": AuthSettings}
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> DaemonConfig:
