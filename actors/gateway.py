@@ -5,16 +5,23 @@ nothing else happens), `Describe` is answered here, everything else goes to the 
 of that connection, started on its first message. The inbox carries frames to send
 (`Outbound`) from every stream; a peer the ROUTER can no longer reach is reported to its
 stream as `ClientGone`. While draining, new `Generate`s get `Rejected(draining)`.
+
+With a CURVE secret key the socket is a CURVE server and a ZAP handler (in this actor)
+admits only the client public keys listed per tenant; an unknown key never gets a frame
+through. Each message then carries the tenant of its key (ZeroMQ's `User-Id` property) and
+a `Generate` is attributed to that tenant whatever it names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import structlog
 import trio
 import zmq
+from zmq.utils import z85
 
 from sluice.actors.base import Actor, Handler, Inbox
 from sluice.actors.stream import Stream
@@ -38,8 +45,12 @@ class Gateway(Actor):
         make_stream: Callable[[bytes], Stream],
         info: m.ServerInfo,
         inbox: Inbox | None = None,
+        curve_secret_key: str | None = None,
+        tenant_keys: dict[str, str] | None = None,
     ):
         super().__init__(inbox=inbox)
+        self.curve_secret_key = curve_secret_key  # Z85; None: no authentication
+        self.tenant_keys = dict(tenant_keys or {})  # client public key (Z85) -> tenant
         self.listen = listen
         self.codec = codec
         self.supervisor = supervisor
@@ -50,11 +61,20 @@ class Gateway(Actor):
         self.streams: dict[bytes, Stream] = {}
 
     def reset(self) -> None:
-        self.socket = Socket(zmq.ROUTER)
+        self.zap: Socket | None = None
+        if self.curve_secret_key is not None:
+            self.zap = Socket(zmq.REP)
+            self.zap.bind(ZAP_ENDPOINT)
+        self.socket = _FrameSocket(zmq.ROUTER)
+        if self.curve_secret_key is not None:
+            self.socket.zmq.curve_server = True
+            self.socket.zmq.curve_secretkey = self.curve_secret_key.encode()
         self.address = self.socket.bind(self.address or self.listen)
 
     def teardown(self) -> None:
         self.socket.close()
+        if self.zap is not None:
+            self.zap.close()
 
     def handlers(self) -> dict[type, Handler]:
         return {
@@ -65,7 +85,24 @@ class Gateway(Actor):
         }
 
     async def background(self, nursery: trio.Nursery) -> None:
+        if self.zap is not None:
+            nursery.start_soon(self._authenticate)
         nursery.start_soon(self._receive_loop)
+
+    async def _authenticate(self) -> None:
+        """ZAP: answer 200 with the tenant as user id for a listed CURVE key, else 400."""
+        while True:
+            request = await self.zap.recv_multipart()
+            version, request_id, mechanism = request[0], request[1], request[5]
+            tenant = None
+            if mechanism == b"CURVE" and len(request) > 6:
+                tenant = self.tenant_keys.get(z85.encode(request[6]).decode())
+            if tenant is None:
+                log.info("client refused", mechanism=mechanism.decode(errors="replace"))
+                reply = [version, request_id, b"400", b"unknown key", b"", b""]
+            else:
+                reply = [version, request_id, b"200", b"OK", tenant.encode(), b""]
+            await self.zap.send_multipart(reply)
 
     async def on_outbound(self, msg: m.Outbound) -> None:
         try:
@@ -98,7 +135,10 @@ class Gateway(Actor):
 
     async def _receive_loop(self) -> None:
         while True:
-            frames = await self.socket.recv_multipart()
+            if self.curve_secret_key is None:
+                frames, tenant = await self.socket.recv_multipart(), None
+            else:
+                frames, tenant = await self.socket.recv_with_user()
             identity = frames[0]
             if len(frames) != 2:
                 await self._reply(identity, m.Rejected("", m.RejectCode.INVALID,
@@ -113,6 +153,8 @@ class Gateway(Actor):
             if isinstance(msg, m.Describe):
                 await self._reply(identity, self.info)
                 continue
+            if isinstance(msg, m.Generate) and tenant is not None:
+                msg = replace(msg, tenant=tenant)
             if isinstance(msg, m.Generate) and self.draining:
                 await self._reply(identity, m.Rejected(msg.request_id, m.RejectCode.DRAINING,
                                                       "the daemon is draining"))
@@ -137,3 +179,21 @@ class Gateway(Actor):
         # gateway handles like any other close
         for stream in self.streams.values():
             stream.inbox.put(m.FailAll(f"gateway failed: {type(exc).__name__}"))
+
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect
+
+
+class _FrameSocket(Socket):
+    """The trio socket, plus a receive that keeps the authenticated user id of a message."""
+
+    async def recv_with_user(self) -> tuple[list[bytes], str | None]:
+        while True:
+            try:
+                parts = self.zmq.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                await self._wait_for(zmq.POLLIN)
+                continue
+            self._wake_waiter()
+            await trio.lowlevel.checkpoint()
+            return [bytes(p.buffer) for p in parts], parts[-1].get("User-Id")
