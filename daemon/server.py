@@ -100,7 +100,11 @@ class Daemon:
             self.gateway = Gateway(cfg.listen, codec=client_codec, supervisor=self.supervisor,
                                    make_stream=make_stream,
                                    info=m.ServerInfo(m.PROTOCOL_VERSION, model_name, max_model_len),
-                                   inbox=gateway_inbox)
+                                   inbox=gateway_inbox,
+                                   curve_secret_key=cfg.auth.server_secret_key,
+                                   tenant_keys={key: tenant
+                                                for tenant, keys in cfg.auth.tenants.items()
+                                                for key in keys})
             self.control = Control(cfg.control_address, scheduler=scheduler_inbox,
                                    connections=lambda: len(self.gateway.streams),
                                    hooks=self._control_hooks(gateway_inbox))
