@@ -44,8 +44,8 @@ class ControlHooks:
 class Control(Actor):
     name = "control"
 
-    def __init__(self, address: str, *, scheduler: Inbox, connections: Callable[[], int] | None = None,
-                 hooks: ControlHooks | None = None):
+    def __init__(self, address: str, *, scheduler: Inbox,
+                 connections: Callable[[], int] | None = None, hooks: ControlHooks | None = None):
         super().__init__()
         self.hooks = hooks or ControlHooks()
         self.subscribers: dict[bytes, float] = {}  # identity -> subscription end (trio clock)
