@@ -311,7 +311,8 @@ class SchedulerActor(Actor):
         elif command == "release_all":
             rids = tuple(self.core.requests)
             self._emit([out for rid in rids if (out := self.core.abort(rid)) is not None])
-            reply = m.CommandReply("drain", True, f"cancelled {len(rids)} requests past the deadline")
+            reply = m.CommandReply("drain", True,
+                                   f"cancelled {len(rids)} requests past the deadline")
         else:
             reply = m.CommandReply("unknown", False, f"the scheduler cannot do {command!r}")
         msg.reply_to.put(reply)
@@ -352,8 +353,8 @@ class SchedulerActor(Actor):
         outputs = []
         for rid in gone:
             request = core.requests[rid]
-            findings.append(f"request {rid} ({request.state.value}, {len(request.block_ids)} blocks) "
-                            "has no live connection: released")
+            findings.append(f"request {rid} ({request.state.value}, "
+                            f"{len(request.block_ids)} blocks) has no live connection: released")
             outputs.append(core.abort(rid, reason="cancelled"))
         owned: dict[int, int] = {}
         for request in core.requests.values():
@@ -362,7 +363,8 @@ class SchedulerActor(Actor):
         for block in range(bm.num_total_blocks):
             extra = bm.ref_count(block) - owned.get(block, 0)
             if extra > 0:
-                findings.append(f"block {block} had {extra} reference(s) owned by no request: freed")
+                findings.append(
+                    f"block {block} had {extra} reference(s) owned by no request: freed")
                 bm.free([block] * extra)
         try:
             core.check_invariants()
