@@ -95,7 +95,8 @@ class _SchedulerCollector:
         yield GaugeMetricFamily("sluice_prefix_cache_hit_ratio",
                                 "Prefix cache hits per lookup since start",
                                 value=stats["kv"]["prefix_cache_hit_ratio"])
-        queues = GaugeMetricFamily("sluice_live_requests", "Live requests by state", labels=["state"])
+        queues = GaugeMetricFamily("sluice_live_requests", "Live requests by state",
+                                   labels=["state"])
         for state, value in stats["queues"].items():
             queues.add_metric([state], value)
         yield queues
