@@ -301,7 +301,7 @@ class SchedulerActor(Actor):
         elif isinstance(command, m.ReconcileCommand):
             findings = self.reconcile(msg.connections)
             reply = m.CommandReply("reconcile", True,
-                                   f"{len(findings)} discrepancies found and fixed" if findings
+                                   f"found and fixed {len(findings)} discrepancy(ies)" if findings
                                    else "consistent: nothing to fix", tuple(findings))
         elif isinstance(command, m.TenantSet):
             reply = self._set_tenant(command)
