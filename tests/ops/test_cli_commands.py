@@ -1,0 +1,50 @@
+"""The operator subcommands as scripts use them: exit codes, `--json` shapes, text output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import trio
+
+
+async def sluice(*args: str) -> subprocess.CompletedProcess:
+    return await trio.to_thread.run_sync(lambda: subprocess.run(
+        [sys.executable, "-m", "sluice.daemon.cli", *args], capture_output=True, text=True,
+        timeout=120))
+
+
+async def test_operator_subcommands_drive_the_daemon(null_daemon, tmp_path) -> None:
+    handle = await null_daemon(debug_faults=True)
+    at = ("--connect-control", handle.control)
+    with trio.fail_after(120):
+        drained = await sluice("drain", *at, "--json")
+        assert drained.returncode == 0, drained.stderr
+        assert json.loads(drained.stdout)["command"] == "drain"
+        assert (await handle.status()).state == "draining"
+        resumed = await sluice("resume", *at)
+        assert resumed.returncode == 0 and "admitting" in resumed.stdout
+
+        changed = await sluice("tenants", *at, "set", "batch", "--weight", "2.5",
+                               "--max-running", "3")
+        assert changed.returncode == 0, changed.stderr
+        listed = json.loads((await sluice("tenants", *at, "--json")).stdout)
+        assert listed["batch"]["weight"] == 2.5
+        table = (await sluice("tenants", *at)).stdout.splitlines()
+        assert table[0].split()[:3] == ["tenant", "weight", "share"]
+
+        missing = await sluice("cancel", "nope/1", *at, "--json")
+        assert missing.returncode == 1 and json.loads(missing.stdout)["ok"] is False
+
+        from sluice.ipc import messages as m
+        from sluice.ipc.control import send_command
+
+        await send_command(handle.control, m.InjectFault("leak_block"))
+        reconciled = await sluice("reconcile", *at)
+        assert reconciled.returncode == 0
+        assert "found and fixed 1 discrepancy" in reconciled.stdout and "  - block " in reconciled.stdout
+
+        nobody = await sluice("drain", "--connect-control", f"ipc://{tmp_path}/none.sock",
+                              "--timeout", "0.5")
+        assert nobody.returncode == 2 and "no answer" in nobody.stderr
