@@ -46,15 +46,34 @@ def paged_attention(
     lengths = seq_lens.tolist()
     block_size = key_cache.shape[1]
     decodes = [i for i in range(len(lengths)) if starts[i + 1] - starts[i] == 1]
-    if decodes:
+    for group in _length_groups(decodes, lengths):
         _attend_decodes(query, key_cache, value_cache, block_tables, starts, lengths,
-                        decodes, block_size, scale, out)
+                        group, block_size, scale, out)
     for i in range(len(lengths)):
         q_len = starts[i + 1] - starts[i]
         if q_len > 1:
             _attend_chunk(query, key_cache, value_cache, block_tables[i], starts[i], q_len,
                           lengths[i], block_size, scale, out)
     return out
+
+
+# decodes are padded to the longest context of their group: groups of similar lengths keep
+# the padding (gathered and attended for nothing) under about half of the work, while few
+# enough groups keep the per-call overhead small
+_GROUP_LENGTH_RATIO = 2.0
+_MIN_GROUP = 8
+
+
+def _length_groups(decodes: list[int], lengths: list[int]) -> list[list[int]]:
+    groups: list[list[int]] = []
+    for i in sorted(decodes, key=lengths.__getitem__):
+        group = groups[-1] if groups else None
+        if (group is None or (len(group) >= _MIN_GROUP
+                              and lengths[i] > _GROUP_LENGTH_RATIO * lengths[group[0]])):
+            groups.append([i])
+        else:
+            group.append(i)
+    return groups
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
