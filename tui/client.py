@@ -61,7 +61,7 @@ class ControlClient:
                 pass
         if self._socket is not None:
             self._socket.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
     async def command(self, command: object, timeout: float = 15.0) -> m.CommandReply:
         """Send one operator command; raise TimeoutError if the daemon does not answer."""
