@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 import trio
+
+pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
 
 
 async def sluice(*args: str) -> subprocess.CompletedProcess:

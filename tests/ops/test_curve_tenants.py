@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import trio
 import zmq
 
@@ -13,6 +14,8 @@ from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
 from sluice.ipc.control import send_command
 from sluice.ipc.sockets import Socket
+
+pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
 
 _codec = Codec(m.SERVER_MESSAGES)
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import signal
 
+import pytest
 import structlog
 import trio
 
 from sluice.daemon.logs import configure_logging
 from sluice.ipc.client import AsyncClient
+
+pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
 
 MARKER = "qzv-PRIVATE-7731"
 

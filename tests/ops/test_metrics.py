@@ -6,12 +6,15 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
+
+pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
 
 
 async def http_get(port: int, path: str) -> tuple[int, str]:

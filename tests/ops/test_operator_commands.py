@@ -3,12 +3,15 @@ resume, cancel, tenant changes, reconcile of injected orphans, recover of a stop
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
 from sluice.ipc.errors import SluiceError
+
+pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
 
 
 async def _wait_for(control: str, predicate, timeout: float = 10.0) -> m.StatusReport:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import signal
 import socket
 
+import pytest
 import trio
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import send_command
 from sluice.ipc.errors import SluiceError
+
+pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
 
 
 class NotifyListener:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
+
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
 
 

@@ -15,6 +15,8 @@ from sluice.tui.confirm_screen import ConfirmScreen
 from sluice.tui.help_screen import HelpScreen
 from sluice.tui.report_screen import ReportScreen
 
+pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
+
 
 def _panel_text(app, selector: str) -> str:
     return app.query_one(selector).plain

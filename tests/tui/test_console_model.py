@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 from console_helpers import drive, start_daemon_process, wait_until
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import Client
 from sluice.ipc.control import fetch_status_sync, send_command_sync
 from sluice.tui.app import SluiceTop
+
+pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
 
 CONFIG = """
 [daemon]

@@ -7,10 +7,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from console_helpers import drive
 
 from sluice.ipc import messages as m
 from sluice.tui.app import SluiceTop
+
+pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
 
 GOLDEN = Path(__file__).parent / "snapshots" / "main_screen.svg"
 
