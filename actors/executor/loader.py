@@ -154,16 +154,22 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
     return config, weights
 
 
+_GGUF_TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm",
+                   "output.weight": "lm_head"}
+
+
 def _gguf_name(name: str) -> str | None:
-    if name == "token_embd.weight":
-        return "embed"
-    if name == "output_norm.weight":
-        return "final_norm"
-    if name == "output.weight":
-        return "lm_head"
-    if name.startswith("blk."):
-        _, index, rest = name.split(".", 2)
-        short = _GGUF_LAYER_NAMES.get(rest)
+    return _our_name(name, _GGUF_TOP_NAMES, "blk.", _GGUF_LAYER_NAMES)
+
+
+def _our_name(name: str, top_level: dict[str, str], layer_prefix: str,
+              layer_names: dict[str, str]) -> str | None:
+    """A file's tensor name -> ours ("embed", "layers.3.q_proj", ...); None for the unused."""
+    if name in top_level:
+        return top_level[name]
+    if name.startswith(layer_prefix):
+        index, rest = name[len(layer_prefix):].split(".", 1)
+        short = layer_names.get(rest)
         return f"layers.{index}.{short}" if short else None
     return None
 
@@ -239,16 +245,9 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict
     return config, weights
 
 
+_HF_TOP_NAMES = {"embed_tokens.weight": "embed", "norm.weight": "final_norm",
+                 "lm_head.weight": "lm_head"}
+
+
 def _hf_name(key: str) -> str | None:
-    key = key.removeprefix("model.")
-    if key == "embed_tokens.weight":
-        return "embed"
-    if key == "norm.weight":
-        return "final_norm"
-    if key == "lm_head.weight":
-        return "lm_head"
-    if key.startswith("layers."):
-        _, index, rest = key.split(".", 2)
-        short = _HF_LAYER_NAMES.get(rest)
-        return f"layers.{index}.{short}" if short else None
-    return None
+    return _our_name(key.removeprefix("model."), _HF_TOP_NAMES, "layers.", _HF_LAYER_NAMES)
