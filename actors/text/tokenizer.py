@@ -83,7 +83,6 @@ def _check_messages(messages) -> None:
 
 
 def _compile_template(source: str):
-    from jinja2 import StrictUndefined  # noqa: F401  (kept lenient like other servers)
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
