@@ -91,18 +91,20 @@ async def null_daemon(nursery, tmp_path):
         handle.daemon.stop()
 
 
-def start_daemon_process(
-    args: list[str], *, timeout: float = 240.0, log: Path | None = None
-) -> tuple[subprocess.Popen, str, str]:
-    """Run `sluiced serve ARGS` and wait for its ready line; return (process, listen, control)."""
+def start_sluiced(args: list[str], *, env: dict[str, str] | None = None,
+                  log: Path | None = None, log_level: str = "info",
+                  timeout: float = 120.0) -> tuple[subprocess.Popen, dict[str, str]]:
+    """Run `sluiced serve ARGS` and wait for its ready line.
+
+    Returns (process, the ready line's fields: listen, control and maybe metrics)."""
+    import selectors
+
     stderr = open(log, "w") if log is not None else subprocess.DEVNULL
     process = subprocess.Popen(
         [sys.executable, "-m", "sluice.daemon.main", "serve", *args],
         stdout=subprocess.PIPE, stderr=stderr, text=True,
-        env={**os.environ, "SLUICE_LOG_LEVEL": "warning"},
+        env={**os.environ, "SLUICE_LOG_LEVEL": log_level, **(env or {})},
     )
-    import selectors
-
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ)
     if not selector.select(timeout):
@@ -112,7 +114,14 @@ def start_daemon_process(
     if not line.startswith("sluiced ready"):
         process.kill()
         raise RuntimeError(f"unexpected first line from sluiced: {line!r}")
-    fields = dict(part.split("=", 1) for part in line.split()[2:])
+    return process, dict(part.split("=", 1) for part in line.split()[2:])
+
+
+def start_daemon_process(
+    args: list[str], *, timeout: float = 240.0, log: Path | None = None
+) -> tuple[subprocess.Popen, str, str]:
+    """Run `sluiced serve ARGS` and wait for its ready line; return (process, listen, control)."""
+    process, fields = start_sluiced(args, log=log, log_level="warning", timeout=timeout)
     return process, fields["listen"], fields["control"]
 
 

@@ -22,33 +22,7 @@ else:
 null_daemon = _e2e.null_daemon
 assert_drained_and_consistent = _e2e.assert_drained_and_consistent
 start_daemon_process = _e2e.start_daemon_process
-
-
-def start_sluiced(args: list[str], *, env: dict[str, str] | None = None, log=None,
-                  timeout: float = 120.0):
-    """Run `sluiced serve ARGS` with extra environment; wait for its ready line.
-
-    Returns (process, fields of the ready line: listen, control and maybe metrics)."""
-    import os
-    import selectors
-    import subprocess
-
-    stderr = open(log, "w") if log is not None else subprocess.DEVNULL
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sluice.daemon.main", "serve", *args],
-        stdout=subprocess.PIPE, stderr=stderr, text=True,
-        env={**os.environ, "SLUICE_LOG_LEVEL": "info", **(env or {})},
-    )
-    selector = selectors.DefaultSelector()
-    selector.register(process.stdout, selectors.EVENT_READ)
-    if not selector.select(timeout):
-        process.kill()
-        raise RuntimeError("sluiced did not become ready")
-    line = process.stdout.readline()
-    if not line.startswith("sluiced ready"):
-        process.kill()
-        raise RuntimeError(f"unexpected first line from sluiced: {line!r}")
-    return process, dict(part.split("=", 1) for part in line.split()[2:])
+start_sluiced = _e2e.start_sluiced
 
 
 @pytest.fixture
