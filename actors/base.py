@@ -1,51 +1,154 @@
 """The actor base: one inbox, a handler table, a `run(task_status=...)` entry point.
 
 An actor is a trio task tree that owns its state and talks to others only by messages put
-in their inboxes. The inbox outlives a crash (senders keep their handle), the state does
+in their inboxes. An inbox is a ZeroMQ PULL socket bound to an `inproc://` address; a sender
+holds an `Outbox` (a PUSH socket connected to that address) and every message crosses as
+bytes of the internal codec, so actors share no objects: moving one to another process is a
+change of address. The inbox outlives a crash (senders keep their handle), the state does
 not: `run` starts from `reset()`, and the supervisor calls `on_crash` first so an actor that
 owned requests can release them. Supervision itself lives in `supervisor.py`.
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
 import trio
+import zmq
+
+from sluice.actors.scheduler import plan
+from sluice.ipc import messages as m
+from sluice.ipc.internal import InternalCodec, dataclasses_of
+from sluice.ipc.sockets import Socket, context
 
 log = structlog.get_logger("sluice.actors")
 
 Handler = Callable[[Any], Awaitable[None]]
 
+# everything actors may send each other: the messages and the step plan/result types
+CODEC = InternalCodec([*dataclasses_of(m), *dataclasses_of(plan)])
+_addresses = itertools.count()
+_FAIR_SHARE = 16  # messages an actor takes in a row before it lets other tasks run
 
-class Inbox:
-    """The address of an actor: anything may `put` a message; only the actor receives."""
 
-    def __init__(self, name: str):
-        self.name = name
-        # Unbounded on purpose: actors form cycles (scheduler -> stream -> scheduler), so a
-        # bounded inbox could deadlock two actors waiting on each other. Flow control lives
-        # at the edges instead: credits for clients, admission limits for requests.
-        self._send, self._recv = trio.open_memory_channel[Any](math.inf)
+class Outbox:
+    """A sending handle to one actor's inbox; `put` never waits.
+
+    Queues are unbounded on purpose (high-water marks of 0): actors form cycles
+    (scheduler -> stream -> scheduler), so a bounded queue could deadlock two actors waiting
+    on each other. Flow control lives at the edges instead: credits for clients, admission
+    limits for requests, and the scheduler pacing steps by `Inbox.depth`.
+    """
+
+    def __init__(self, address: str):
+        self.address = address
+        self.sent = 0
+        self._socket: zmq.Socket | None = None
+        self._closed = False
 
     def put(self, msg: Any) -> None:
         """Deliver without waiting; messages to a closed inbox are dropped."""
+        if self._closed:
+            return
+        if self._socket is None:
+            self._socket = context().socket(zmq.PUSH)
+            self._socket.setsockopt(zmq.SNDHWM, 0)
+            self._socket.connect(self.address)
+        frame = CODEC.encode(msg)
         try:
-            self._send.send_nowait(msg)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
+            self._socket.send(frame, zmq.NOBLOCK)
+        except zmq.Again:  # the inbox was closed: its actor is gone for good
+            return
+        self.sent += 1
+
+    def close(self) -> None:
+        self._closed = True
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+
+class Outboxes:
+    """Outboxes by address, for actors that answer whoever a message names (`reply_to`)."""
+
+    def __init__(self) -> None:
+        self._boxes: dict[str, Outbox] = {}
+
+    def put(self, address: str, msg: Any) -> None:
+        if not address:
+            return  # the sender wanted no answer
+        box = self._boxes.get(address)
+        if box is None:
+            box = self._boxes[address] = Outbox(address)
+        box.put(msg)
+
+    def forget(self, address: str) -> None:
+        box = self._boxes.pop(address, None)
+        if box is not None:
+            box.close()
+
+    def close(self) -> None:
+        for box in self._boxes.values():
+            box.close()
+        self._boxes.clear()
+
+
+class Inbox(Outbox):
+    """The address of an actor: anything may `put` a message; only the actor receives."""
+
+    def __init__(self, name: str):
+        super().__init__(f"inproc://sluice-{next(_addresses)}-{name}")
+        self.name = name
+        self.taken = 0
+        self._in_a_row = 0
+        self._receiver = Socket(zmq.PULL)
+        self._receiver.zmq.setsockopt(zmq.RCVHWM, 0)
+        self._receiver.bind(self.address)
 
     @property
     def depth(self) -> int:
-        return self._send.statistics().current_buffer_used
+        """Messages put through this handle and not yet taken by the actor."""
+        return self.sent - self.taken
 
     def close(self) -> None:
-        self._send.close()
+        super().close()
+        self._receiver.close()
+
+    def get_nowait(self) -> Any:
+        """The next message, or `trio.WouldBlock` when there is none.
+
+        Raises `trio.ClosedResourceError` once the inbox is closed."""
+        if self._receiver.closed:
+            raise trio.ClosedResourceError(f"the inbox of {self.name} is closed")
+        try:
+            frame = self._receiver.zmq.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            raise trio.WouldBlock from None
+        self.taken += 1
+        return CODEC.decode(frame)
 
     async def get(self) -> Any:
-        return await self._recv.receive()
+        while True:
+            try:
+                msg = self.get_nowait()
+            except trio.WouldBlock:
+                self._in_a_row = 0
+                await self._receiver.wait_for(zmq.POLLIN)
+                continue
+            self._in_a_row += 1
+            if self._in_a_row >= _FAIR_SHARE:
+                self._in_a_row = 0
+                await trio.lowlevel.checkpoint()
+            return msg
+
+    async def __aenter__(self) -> Inbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Actor:
@@ -77,6 +180,10 @@ class Actor:
     def teardown(self) -> None:
         """Release what `reset` acquired (sockets, processes); runs however `run` ends."""
 
+    def close(self) -> None:
+        """Close the inbox and any outboxes, for good: the actor will not run again."""
+        self.inbox.close()
+
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.reset()
         table = self.handlers()
@@ -87,7 +194,10 @@ class Actor:
                 task_status.started()
                 try:
                     while True:
-                        msg = await self.inbox.get()
+                        try:
+                            msg = await self.inbox.get()
+                        except trio.ClosedResourceError:
+                            return  # closed for good: this actor is done
                         handler = table.get(type(msg))
                         if handler is None:
                             log.warning(

@@ -10,6 +10,7 @@ daemon provides. Fault injection exists only when the daemon was configured for 
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -18,7 +19,7 @@ import structlog
 import trio
 import zmq
 
-from sluice.actors.base import Actor, Handler, Inbox
+from sluice.actors.base import Actor, Handler, Inbox, Outbox
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
 from sluice.ipc.sockets import PeerGone, Socket
@@ -33,7 +34,7 @@ SNAPSHOT_INTERVAL = 0.25  # seconds between snapshots to subscribers
 class ControlHooks:
     """What the daemon lets the Control actor do beyond messages."""
 
-    gateway: Inbox | None = None  # told Drain / Undrain
+    gateway: Outbox | None = None  # told Drain / Undrain
     connection_ids: Callable[[], frozenset[bytes]] = frozenset  # live client connections
     recover: Callable[[], Awaitable[str]] | None = None  # restart the worker; a line to report
     # debug-only faults by kind; None when the daemon does not allow fault injection
@@ -44,7 +45,7 @@ class ControlHooks:
 class Control(Actor):
     name = "control"
 
-    def __init__(self, address: str, *, scheduler: Inbox,
+    def __init__(self, address: str, *, scheduler: Outbox,
                  connections: Callable[[], int] | None = None, hooks: ControlHooks | None = None):
         super().__init__()
         self.hooks = hooks or ControlHooks()
@@ -56,6 +57,10 @@ class Control(Actor):
         self.scheduler = scheduler
         self.connections = connections  # () -> int, live client connections
         self.codec = Codec(m.CONTROL_REQUESTS)
+        # the scheduler's answers; a `Reply` names the question by token
+        self.replies = Inbox("control-replies")
+        self._tokens = itertools.count(1)
+        self._answers: dict[int, list] = {}  # token -> [] until the answer is in it
 
     def reset(self) -> None:
         self.socket = Socket(zmq.ROUTER)
@@ -71,20 +76,45 @@ class Control(Actor):
     def teardown(self) -> None:
         self.socket.close()
 
+    def close(self) -> None:
+        super().close()
+        self.replies.close()
+
     def handlers(self) -> dict[type, Handler]:
         return {}
 
     async def background(self, nursery: trio.Nursery) -> None:
         self._send_lock = trio.Lock()
         self._nursery = nursery
+        self._answered = trio.Event()
+        nursery.start_soon(self._take_replies)
         nursery.start_soon(self._serve)
         nursery.start_soon(self._publish)
 
+    async def _take_replies(self) -> None:
+        while True:
+            reply = await self.replies.get()
+            waiting = self._answers.get(reply.token)
+            if waiting is not None:  # else the question timed out, or predates a restart
+                waiting.append(reply.message)
+                self._answered.set()
+                self._answered = trio.Event()
+
+    async def _ask_scheduler(self, question: Callable[[str, int], object]) -> object:
+        """Send `question(reply_address, token)` to the scheduler and wait for its answer."""
+        token = next(self._tokens)
+        answer = self._answers[token] = []
+        self.scheduler.put(question(self.replies.address, token))
+        try:
+            with trio.fail_after(10):
+                while not answer:
+                    await self._answered.wait()
+        finally:
+            del self._answers[token]
+        return answer[0]
+
     async def status(self, query: m.StatusQuery) -> m.StatusReport:
-        reply = Inbox("control-reply")
-        self.scheduler.put(m.Ask(query, reply))
-        with trio.fail_after(10):
-            snapshot = await reply.get()
+        snapshot = await self._ask_scheduler(lambda address, token: m.Ask(query, address, token))
         report = snapshot.report
         if self.connections is not None:
             report = replace(report, connections=self.connections())
@@ -114,10 +144,8 @@ class Control(Actor):
         return True
 
     async def snapshot(self) -> m.ControlSnapshot:
-        reply = Inbox("control-reply")
-        self.scheduler.put(m.Ask(m.Subscribe(), reply))
-        with trio.fail_after(10):
-            snap = await reply.get()
+        snap = await self._ask_scheduler(
+            lambda address, token: m.Ask(m.Subscribe(), address, token))
         self.seq += 1
         status = snap.status
         if self.connections is not None:
@@ -141,10 +169,9 @@ class Control(Actor):
                     self.subscribers.pop(identity, None)
 
     async def _operate(self, command: object) -> m.CommandReply:
-        reply = Inbox("control-reply")
-        self.scheduler.put(m.Operate(command, reply, self.hooks.connection_ids()))
-        with trio.fail_after(10):
-            return await reply.get()
+        connections = self.hooks.connection_ids()
+        return await self._ask_scheduler(
+            lambda address, token: m.Operate(command, address, token, connections))
 
     async def command(self, identity: bytes, command: object) -> object:
         """Carry out one operator command and say what happened."""

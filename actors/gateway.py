@@ -65,7 +65,7 @@ class Gateway(Actor):
         if self.curve_secret_key is not None:
             self.zap = Socket(zmq.REP)
             self.zap.bind(ZAP_ENDPOINT)
-        self.socket = _FrameSocket(zmq.ROUTER)
+        self.socket = Socket(zmq.ROUTER)
         if self.curve_secret_key is not None:
             self.socket.zmq.curve_server = True
             self.socket.zmq.curve_secretkey = self.curve_secret_key.encode()
@@ -75,6 +75,11 @@ class Gateway(Actor):
         self.socket.close()
         if self.zap is not None:
             self.zap.close()
+
+    def close(self) -> None:
+        super().close()
+        for stream in self.streams.values():
+            stream.close()
 
     def handlers(self) -> dict[type, Handler]:
         return {
@@ -183,17 +188,3 @@ class Gateway(Actor):
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect
 
-
-class _FrameSocket(Socket):
-    """The trio socket, plus a receive that keeps the authenticated user id of a message."""
-
-    async def recv_with_user(self) -> tuple[list[bytes], str | None]:
-        while True:
-            try:
-                parts = self.zmq.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                await self._wait_for(zmq.POLLIN)
-                continue
-            self._wake_waiter()
-            await trio.lowlevel.checkpoint()
-            return [bytes(p.buffer) for p in parts], parts[-1].get("User-Id")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import structlog
 import trio
 
-from sluice.actors.base import Actor, Handler, Inbox
+from sluice.actors.base import Actor, Handler, Outbox
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
 
@@ -54,9 +54,9 @@ class Stream(Actor):
         *,
         config: StreamConfig,
         codec: Codec,
-        gateway: Inbox,
-        tokenizer: Inbox,
-        scheduler: Inbox,
+        gateway: Outbox,
+        tokenizer: Outbox,
+        scheduler: Outbox,
     ):
         super().__init__(f"stream-{connection.hex()}")
         self.connection = connection
@@ -100,7 +100,8 @@ class Stream(Actor):
             return
         daemon_id = f"{self.connection.hex()}/{msg.request_id}"
         self.requests[msg.request_id] = _Request(msg.request_id, daemon_id, msg.credits)
-        self.tokenizer.put(m.Encode(msg, daemon_id, self.connection, self.inbox, trio.current_time()))
+        self.tokenizer.put(m.Encode(msg, daemon_id, self.connection, self.inbox.address,
+                                   trio.current_time()))
 
     async def on_credit(self, msg: m.Credit) -> None:
         self.last_heard = trio.current_time()

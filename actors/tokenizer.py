@@ -14,12 +14,13 @@ when the crash happened are handled first by the new incarnation.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import structlog
 import trio
 
-from sluice.actors.base import Actor, Handler, Inbox
+from sluice.actors.base import Actor, Handler, Inbox, Outboxes
 from sluice.actors.scheduler.plan import InvalidParams, SamplingParams
 from sluice.actors.text import IncrementalDetokenizer
 from sluice.ipc import messages as m
@@ -41,7 +42,7 @@ LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized in a worker thread
 @dataclass
 class _Detok:
     client_id: str
-    reply_to: Inbox
+    reply_to: str  # the address of its Stream actor's inbox
     detok: IncrementalDetokenizer
     arrival: float
     prompt_tokens: int
@@ -98,15 +99,21 @@ class Tokenizer(Actor):
         self.scheduler = scheduler
         self.requests: dict[str, _Detok] = {}  # survives restarts (see the module docstring)
         self._carry: list = []  # outputs a crashed incarnation left unhandled
+        self.streams = Outboxes()  # to the Stream actors of live requests
+        self.stream_users: Counter[str] = Counter()  # live requests per stream address
 
     def reset(self) -> None:
         self.in_hand: m.Encode | None = None  # the request being tokenized, for on_crash
         self.culprit: str | None = None  # the request whose output is being rendered
-        self.deliveries: dict[int, tuple[Inbox, list]] = {}
+        self.deliveries: dict[str, list] = {}  # stream address -> messages
         self.unhandled: list = []
         carry, self._carry = self._carry, []
         if carry:
             self._render_all(carry, trio.current_time())
+
+    def close(self) -> None:
+        super().close()
+        self.streams.close()
 
     def handlers(self) -> dict[type, Handler]:
         return {
@@ -129,8 +136,9 @@ class Tokenizer(Actor):
             field = exc.field if exc.field.startswith(("prompt", "messages", "sampling")) else (
                 f"sampling.{exc.field}"
             )
-            msg.reply_to.put(m.Deliver((m.Rejected(
-                request.request_id, m.RejectCode.INVALID, str(exc), field),)))
+            self._outbox(msg.reply_to).append(m.Rejected(
+                request.request_id, m.RejectCode.INVALID, str(exc), field))
+            self._deliver()
             self.in_hand = None
             return
         self.requests[msg.request_id] = _Detok(
@@ -138,6 +146,7 @@ class Tokenizer(Actor):
             IncrementalDetokenizer(self.tokenizer, stop=sampling.stop),
             msg.arrival, len(prompt_ids),
         )
+        self.stream_users[msg.reply_to] += 1
         self.in_hand = None
         self.scheduler.put(m.Admit(msg.request_id, msg.connection, tuple(prompt_ids), sampling,
                                    request.priority, request.tenant, msg.arrival))
@@ -160,13 +169,15 @@ class Tokenizer(Actor):
         state = self.requests.get(msg.request_id)
         if state is not None:
             state.admitted_at = trio.current_time()
-            state.reply_to.put(m.Deliver((m.Accepted(state.client_id, msg.prompt_tokens),)))
+            self._outbox(state.reply_to).append(m.Accepted(state.client_id, msg.prompt_tokens))
+            self._deliver()
 
     async def on_refused(self, msg: m.Refused) -> None:
-        state = self.requests.pop(msg.request_id, None)
+        state = self._end(msg.request_id)
         if state is not None:
-            state.reply_to.put(m.Deliver((m.Rejected(state.client_id, msg.code, msg.message,
-                                                     msg.field),)))
+            self._outbox(state.reply_to).append(m.Rejected(state.client_id, msg.code,
+                                                           msg.message, msg.field))
+            self._deliver()
 
     async def on_step_outputs(self, msg: m.StepOutputs) -> None:
         self._render_all(list(msg.outputs), trio.current_time())
@@ -183,13 +194,22 @@ class Tokenizer(Actor):
             self.unhandled.pop(0)
         self._deliver()
 
-    def _outbox(self, reply_to: Inbox) -> list:
-        return self.deliveries.setdefault(id(reply_to), (reply_to, []))[1]
+    def _outbox(self, reply_to: str) -> list:
+        return self.deliveries.setdefault(reply_to, [])
+
+    def _end(self, request_id: str) -> _Detok | None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self.stream_users[state.reply_to] -= 1
+        return state
 
     def _deliver(self) -> None:
         deliveries, self.deliveries = self.deliveries, {}
-        for inbox, items in deliveries.values():
-            inbox.put(m.Deliver(tuple(items)))
+        for address, items in deliveries.items():
+            self.streams.put(address, m.Deliver(tuple(items)))
+            if self.stream_users[address] <= 0:  # its last request ended: hang up
+                del self.stream_users[address]
+                self.streams.forget(address)
 
     def _render(self, out, state: _Detok, sent: list, now: float) -> None:
         if out.new_token_ids:
@@ -204,7 +224,7 @@ class Tokenizer(Actor):
             if state.detok.stopped:
                 self.scheduler.put(m.Finish(out.request_id))
                 sent.append(self._finished(out, state, m.FinishReason.STOP, now))
-                del self.requests[out.request_id]
+                self._end(out.request_id)
                 return
         if out.finished:
             reason = FINISH_REASONS.get(out.finish_reason or "", m.FinishReason.ERROR)
@@ -215,7 +235,7 @@ class Tokenizer(Actor):
             elif reason is m.FinishReason.ERROR:
                 sent.append(m.Error(state.client_id, "the request failed in the daemon"))
             sent.append(self._finished(out, state, reason, now))
-            del self.requests[out.request_id]
+            self._end(out.request_id)
 
     def _finished(self, out, state: _Detok, reason: m.FinishReason, now: float) -> m.Finished:
         usage = m.Usage(
@@ -235,7 +255,7 @@ class Tokenizer(Actor):
         why = f"tokenizer failed: {type(exc).__name__}"
         hand, self.in_hand = self.in_hand, None
         culprit = self.culprit or (hand.request_id if hand is not None else None)
-        failed = self.requests.pop(culprit, None) if culprit else None
+        failed = self._end(culprit) if culprit else None
         if failed is not None:
             self._outbox(failed.reply_to).extend((
                 m.Error(failed.client_id, why), m.Finished(failed.client_id, m.FinishReason.ERROR)

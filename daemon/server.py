@@ -63,9 +63,19 @@ class Daemon:
         return self.control.address
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        cfg = self.config
         tokenizer = await trio.to_thread.run_sync(_load_tokenizer, self.model_path)
         scheduler_inbox = Inbox("scheduler")
+        try:
+            await self._run(tokenizer, scheduler_inbox, task_status)
+        finally:
+            scheduler_inbox.close()
+            for actor in (self.executor, self.scheduler, self.tokenizer, self.gateway,
+                          self.control):
+                if actor is not None:
+                    actor.close()
+
+    async def _run(self, tokenizer, scheduler_inbox: Inbox, task_status: Any) -> None:
+        cfg = self.config
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.supervisor.run, [])
@@ -137,10 +147,8 @@ class Daemon:
     def reload_tenants(self, config: DaemonConfig) -> list[str]:
         """Apply the tenants (weights, limits) of a re-read config; names of those changed."""
         tenants = SchedulerConfig.from_dict({**config.scheduler, "kv_blocks": 1}).tenants
-        reply = Inbox("reload-reply")
-        for name, tenant in tenants.items():
-            self.scheduler.inbox.put(m.Operate(m.TenantSet(name, **dataclasses.asdict(tenant)),
-                                               reply))
+        for name, tenant in tenants.items():  # no reply address: nobody waits for the answer
+            self.scheduler.inbox.put(m.Operate(m.TenantSet(name, **dataclasses.asdict(tenant))))
         return sorted(tenants)
 
     def _control_hooks(self, gateway_inbox: Inbox) -> ControlHooks:

@@ -2,8 +2,11 @@
 
 Wire messages (client <-> daemon, operator <-> control socket) carry a `TAG` that never
 changes once released; `ipc.codec` maps them to msgpack. Internal messages travel between
-actors inside the daemon and never reach a socket; they are here too so that the whole
-conversation of the system can be read in one place. Enums on the wire are small ints.
+actors inside the daemon, over `inproc://` sockets with `ipc.internal`'s codec, and never
+leave the process; they are here too so that the whole conversation of the system can be
+read in one place. (The step plan and result the Scheduler and Executor exchange are the
+scheduler core's own types, in `sluice.actors.scheduler.plan`.) An actor is named in a
+message by the address of its inbox, never by an object. Enums on the wire are small ints.
 
 Clocks: durations are seconds measured on the daemon's monotonic clock; no field carries a
 wall-clock timestamp.
@@ -343,7 +346,7 @@ CONTROL_REQUESTS: tuple[type, ...] = (
 CONTROL_REPLIES: tuple[type, ...] = (StatusReport, ControlSnapshot, CommandReply, Rejected)
 
 
-# -- internal (between actors of one daemon; never encoded) ---------------------------------
+# -- internal (between actors of one daemon; never on the wire) ---------------------------------
 
 
 @dataclass(frozen=True)
@@ -424,7 +427,7 @@ class Encode:
     generate: Generate
     request_id: str  # daemon-wide id ("<connection hex>/<client request id>")
     connection: bytes
-    reply_to: Any  # the Stream actor's inbox
+    reply_to: str  # the address of the Stream actor's inbox
     arrival: float  # monotonic
 
 
@@ -491,10 +494,12 @@ class FailAll:
 
 @dataclass(frozen=True)
 class Ask:
-    """A query with a reply address; the answer is put in `reply_to` as `Snapshot`."""
+    """Control -> Scheduler: a status query; the answer comes back as `Reply(token, Snapshot)`
+    (a `ControlSnapshot` for `Subscribe`)."""
 
-    query: Any
-    reply_to: Any
+    query: Any  # StatusQuery or Subscribe
+    reply_to: str  # the asker's inbox address
+    token: int  # echoed in the Reply, so concurrent questions get their own answers
 
 
 @dataclass(frozen=True)
@@ -504,10 +509,25 @@ class Undrain:
 
 @dataclass(frozen=True)
 class Operate:
-    """Control -> Scheduler: an operator command; a `CommandReply` goes to `reply_to`.
+    """Control -> Scheduler: an operator command; a `Reply(token, CommandReply)` goes to
+    `reply_to` (nowhere when it is empty).
 
     `connections` is the set of live client connections (for reconcile)."""
 
-    command: Any
-    reply_to: Any
+    command: Any  # a control command message, or "release_all" (a drain deadline passed)
+    reply_to: str = ""
+    token: int = 0
     connections: frozenset[bytes] = frozenset()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to an `Ask` or `Operate`, matched to it by `token`."""
+
+    token: int
+    message: Any
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Scheduler -> itself: the actors downstream have room again; try to step."""

@@ -28,6 +28,7 @@ class PeerGone(Exception):
 
 
 _context: zmq.Context | None = None
+MAX_SOCKETS = 65536
 
 
 def context() -> zmq.Context:
@@ -35,6 +36,9 @@ def context() -> zmq.Context:
     global _context
     if _context is None or _context.closed:
         _context = zmq.Context()
+        # every actor inbox is a socket, and every client connection has a Stream actor:
+        # the default of 1023 sockets would cap a daemon at a few hundred connections
+        _context.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
     return _context
 
 
@@ -87,7 +91,7 @@ class Socket:
             try:
                 frames = self.zmq.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                await self._wait_for(zmq.POLLIN)
+                await self.wait_for(zmq.POLLIN)
                 continue
             self._wake_waiter()
             await trio.lowlevel.checkpoint()
@@ -96,12 +100,24 @@ class Socket:
     async def recv(self) -> bytes:
         return (await self.recv_multipart())[-1]
 
+    async def recv_with_user(self) -> tuple[list[bytes], str | None]:
+        """A message and the user id ZAP attached to it (None without authentication)."""
+        while True:
+            try:
+                parts = self.zmq.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                await self.wait_for(zmq.POLLIN)
+                continue
+            self._wake_waiter()
+            await trio.lowlevel.checkpoint()
+            return [bytes(p.buffer) for p in parts], parts[-1].get("User-Id")
+
     async def send_multipart(self, frames: list[bytes]) -> None:
         while True:
             try:
                 self.zmq.send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again:
-                await self._wait_for(zmq.POLLOUT)
+                await self.wait_for(zmq.POLLOUT)
                 continue
             except zmq.ZMQError as exc:
                 if exc.errno == errno.EHOSTUNREACH:
@@ -114,9 +130,10 @@ class Socket:
     async def send(self, frame: bytes) -> None:
         await self.send_multipart([frame])
 
-    async def _wait_for(self, mask: int) -> None:
+    async def wait_for(self, mask: int) -> None:
+        """Sleep until `EVENTS` has `mask` (zmq.POLLIN or POLLOUT) set."""
         # Reading EVENTS also re-arms the edge-triggered FD, so check it before every sleep.
-        while not self.zmq.getsockopt(zmq.EVENTS) & mask:
+        while self._closed or not self.zmq.getsockopt(zmq.EVENTS) & mask:
             if self._closed:
                 raise trio.ClosedResourceError("socket closed")
             if self._waiter_done is not None:

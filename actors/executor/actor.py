@@ -23,7 +23,7 @@ import structlog
 import trio
 import zmq
 
-from sluice.actors.base import Actor, Handler, Inbox
+from sluice.actors.base import Actor, Handler, Outbox
 from sluice.actors.executor.worker import decode_result, encode_plan
 from sluice.actors.scheduler.plan import StepPlan
 from sluice.ipc import messages as m
@@ -64,7 +64,7 @@ class WorkerFacts:
 class Executor(Actor):
     name = "executor"
 
-    def __init__(self, spec: WorkerSpec, *, scheduler: Inbox):
+    def __init__(self, spec: WorkerSpec, *, scheduler: Outbox):
         super().__init__()
         self.spec = spec
         self.scheduler = scheduler

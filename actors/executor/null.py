@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sluice.actors.base import Actor, Handler, Inbox
+from sluice.actors.base import Actor, Handler, Outbox
 from sluice.actors.scheduler.plan import SampledToken, StepPlan, StepResult
 from sluice.ipc import messages as m
 
@@ -17,7 +17,7 @@ from sluice.ipc import messages as m
 class NullExecutor(Actor):
     name = "executor"
 
-    def __init__(self, *, scheduler: Inbox, token_cycle: Sequence[int]):
+    def __init__(self, *, scheduler: Outbox, token_cycle: Sequence[int]):
         super().__init__()
         if not token_cycle:
             raise ValueError("token_cycle must not be empty")

@@ -11,7 +11,6 @@ The plan/result encoding used on this socket lives here too, so both ends share 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -19,13 +18,7 @@ from typing import Any
 
 import msgpack
 
-from sluice.actors.scheduler.plan import (
-    SampledToken,
-    SamplingParams,
-    ScheduledSeq,
-    StepPlan,
-    StepResult,
-)
+from sluice.actors.scheduler.plan import SamplingParams, ScheduledSeq, StepPlan, StepResult
 
 # the fixed forward of the health check: a short greedy prompt in block 0 of a fresh pool
 HEALTH_PROMPT = (1, 504, 3458, 282, 4649, 314, 2, 28, 19)
@@ -36,37 +29,19 @@ HEALTH_REQUEST = "__health__"
 
 
 def encode_plan(plan: StepPlan) -> bytes:
-    seqs = [
-        [s.request_id, s.token_ids, s.start_pos, s.block_table, s.sample,
-         dataclasses.asdict(s.sampling), s.num_generated, s.sampling_seed,
-         s.prompt_token_ids, s.output_token_ids]
-        for s in plan.seqs
-    ]  # fmt: skip
-    return msgpack.packb({"op": "step", "step_id": plan.step_id, "seqs": seqs})
+    return msgpack.packb({"op": "step", "plan": plan.to_plain()})
 
 
 def decode_plan(msg: dict[str, Any]) -> StepPlan:
-    seqs = []
-    for rid, tokens, start, table, sample, sampling, generated, seed, prompt, output in msg["seqs"]:
-        seqs.append(ScheduledSeq(rid, tokens, start, table, sample,
-                                 SamplingParams.from_dict(sampling), generated, seed,
-                                 prompt, output))
-    return StepPlan(msg["step_id"], seqs)
+    return StepPlan.from_plain(msg["plan"])
 
 
 def encode_result(result: StepResult) -> bytes:
-    sampled = {
-        rid: [t.token_id, t.logprob, t.top_logprobs] for rid, t in result.sampled.items()
-    }
-    return msgpack.packb({"op": "result", "step_id": result.step_id, "sampled": sampled,
-                         "forward_seconds": result.forward_seconds})
+    return msgpack.packb({"op": "result", "result": result.to_plain()})
 
 
 def decode_result(msg: dict[str, Any]) -> StepResult:
-    sampled = {}
-    for rid, (token, logprob, top) in msg["sampled"].items():
-        sampled[rid] = SampledToken(token, logprob, [tuple(p) for p in top] if top else None)
-    return StepResult(msg["step_id"], sampled, msg["forward_seconds"])
+    return StepResult.from_plain(msg["result"])
 
 
 def health_plan(vocab_size: int) -> StepPlan:
@@ -136,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 reply = msgpack.packb({"op": "error", "message": f"unknown op {op!r}"})
         except Exception as exc:  # report, let the executor decide to restart us
-            reply = msgpack.packb({"op": "error", "step_id": msg.get("step_id"),
-                                   "message": f"{type(exc).__name__}: {exc}"})
+            reply = msgpack.packb({"op": "error", "message": f"{type(exc).__name__}: {exc}"})
         sock.send(reply)
 
 

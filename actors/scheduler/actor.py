@@ -7,7 +7,7 @@ iteration; pauses and resumes wait for the step in flight. `WorkerLost` voids th
 flight and sends every request holding KV back to the queue to recompute.
 
 Steps wait while the actors downstream (tokenizer, gateway) hold more than
-`downstream_limit` undelivered messages: inboxes are unbounded (actors form cycles), so this
+`downstream_limit` untaken messages: inboxes are unbounded (actors form cycles), so this
 is what keeps a daemon that produces tokens faster than it can send them from queueing
 without bound; the decode loop slows to the speed of delivery instead.
 
@@ -18,12 +18,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-
 import structlog
 import trio
 
-from sluice.actors.base import Actor, Handler, Inbox
+from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.scheduler import Rejected, Request, Scheduler
 from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult
 from sluice.ipc import messages as m
@@ -40,11 +38,6 @@ REASON_NAMES = {reason: reason.name.lower() for reason in m.FinishReason}
 _TOMBSTONES = 4096  # released-before-admitted ids remembered, oldest forgotten first
 
 
-@dataclass(frozen=True)
-class _Tick:
-    """Downstream has room again: try to step."""
-
-
 class SchedulerActor(Actor):
     name = "scheduler"
 
@@ -52,8 +45,8 @@ class SchedulerActor(Actor):
         self,
         make_core: Callable[[], Scheduler],
         *,
-        tokenizer: Inbox,
-        executor: Inbox,
+        tokenizer: Outbox,
+        executor: Outbox,
         worker_ready: bool = False,
         inbox: Inbox | None = None,
         downstream: Sequence[Inbox] = (),
@@ -72,6 +65,7 @@ class SchedulerActor(Actor):
         self.worker_pid = 0
         self.draining = False
         self.latency = LatencyLog()
+        self.askers = Outboxes()  # whoever sent Ask or Operate (the control actor)
 
     def reset(self) -> None:
         self.core = self.make_core()
@@ -95,7 +89,7 @@ class SchedulerActor(Actor):
             m.Ask: self.on_ask,
             m.Operate: self.on_operate,
             m.Undrain: self.on_undrain,
-            _Tick: self.on_tick,
+            m.Tick: self.on_tick,
         }
 
     async def background(self, nursery: trio.Nursery) -> None:
@@ -108,12 +102,12 @@ class SchedulerActor(Actor):
             self._room = trio.Event()
             while self._downstream_busy():
                 await trio.sleep(0.001)
-            self.inbox.put(_Tick())
+            self.inbox.put(m.Tick())
 
     def _downstream_busy(self) -> bool:
         return sum(inbox.depth for inbox in self.downstream) > self.downstream_limit
 
-    async def on_tick(self, msg: _Tick) -> None:
+    async def on_tick(self, msg: m.Tick) -> None:
         self.waiting_for_room = False
         self._maybe_step()
 
@@ -250,9 +244,10 @@ class SchedulerActor(Actor):
 
     async def on_ask(self, msg: m.Ask) -> None:
         if isinstance(msg.query, m.Subscribe):
-            msg.reply_to.put(m.ControlSnapshot(0, self.report(), self.detail()))
-            return
-        msg.reply_to.put(m.Snapshot(self.report(check=getattr(msg.query, "check_invariants", False))))
+            answer = m.ControlSnapshot(0, self.report(), self.detail())
+        else:
+            answer = m.Snapshot(self.report(check=getattr(msg.query, "check_invariants", False)))
+        self.askers.put(msg.reply_to, m.Reply(msg.token, answer))
 
     def report(self, *, check: bool = False) -> m.StatusReport:
         core = self.core
@@ -274,6 +269,10 @@ class SchedulerActor(Actor):
             counters=m.Counters(preemptions=core.num_preemptions, **self.counters),
             invariant_errors=errors,
         )
+
+    def close(self) -> None:
+        super().close()
+        self.askers.close()
 
     @property
     def idle(self) -> bool:
@@ -315,7 +314,7 @@ class SchedulerActor(Actor):
                                    f"cancelled {len(rids)} requests past the deadline")
         else:
             reply = m.CommandReply("unknown", False, f"the scheduler cannot do {command!r}")
-        msg.reply_to.put(reply)
+        self.askers.put(msg.reply_to, m.Reply(msg.token, reply))
 
 
     async def on_undrain(self, msg: m.Undrain) -> None:

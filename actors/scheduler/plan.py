@@ -4,11 +4,17 @@ The scheduler core produces a `StepPlan`; whoever executes it (the in-process mo
 the worker process, or the simulator) answers with a `StepResult`; the core turns that into
 `RequestOutput`s. Everything here is plain data: no torch, no sockets, so it can be
 msgpack-encoded for the worker process and used by the simulator without a model.
+
+The bulky types have a compact `to_plain()` form (nested lists of msgpack's own types) and a
+`from_plain()` that trusts it: a step of 256 sequences crosses a socket every few
+milliseconds, and one msgpack object per sequence and per parameter set would cost more than
+the scheduling itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 
@@ -86,6 +92,24 @@ class SamplingParams:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @functools.cached_property
+    def plain(self) -> tuple:
+        """The field values in order: the compact form, and a cheap key for equal params."""
+        return tuple(getattr(self, name) for name in _SAMPLING_FIELDS)
+
+    def to_plain(self) -> tuple:
+        return self.plain
+
+    @classmethod
+    def from_plain(cls, values: list | tuple) -> SamplingParams:
+        # no `__init__`: the sender's params passed `validate()` already
+        params = object.__new__(cls)
+        fields = dict(zip(_SAMPLING_FIELDS, values))
+        fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
+        fields["stop"] = tuple(fields["stop"])
+        params.__dict__.update(fields)
+        return params
+
     @classmethod
     def from_dict(cls, data: dict) -> SamplingParams:
         known = {f.name for f in dataclasses.fields(cls)}
@@ -97,6 +121,9 @@ class SamplingParams:
             if name in values and values[name] is not None:
                 values[name] = tuple(values[name])
         return cls(**values)
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def _is_number(value: object) -> bool:
@@ -145,6 +172,27 @@ class StepPlan:
     def decode_tokens(self) -> int:
         return sum(1 for s in self.seqs if _is_decode(s))
 
+    def to_plain(self) -> list:
+        index: dict[tuple, int] = {}  # equal parameter sets are sent once per step
+        seqs = [
+            [s.request_id, s.token_ids, s.start_pos, s.block_table, s.sample,
+             index.setdefault(s.sampling.plain, len(index)), s.num_generated, s.sampling_seed,
+             s.prompt_token_ids, s.output_token_ids]
+            for s in self.seqs
+        ]  # fmt: skip
+        return [self.step_id, list(index), seqs]
+
+    @classmethod
+    def from_plain(cls, plain: list | tuple) -> StepPlan:
+        step_id, samplings, seqs = plain
+        params = [SamplingParams.from_plain(p) for p in samplings]
+        return cls(step_id, [
+            ScheduledSeq(rid, list(tokens), start, list(table), sample, params[index], generated,
+                         seed, None if prompt is None else list(prompt),
+                         None if output is None else list(output))
+            for rid, tokens, start, table, sample, index, generated, seed, prompt, output in seqs
+        ])  # fmt: skip
+
 
 def _is_decode(seq: ScheduledSeq) -> bool:
     return len(seq.token_ids) == 1 and seq.num_generated > 0
@@ -156,6 +204,14 @@ class SampledToken:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
 
+    def to_plain(self) -> list:
+        return [self.token_id, self.logprob, self.top_logprobs]
+
+    @classmethod
+    def from_plain(cls, plain: list | tuple) -> SampledToken:
+        token, logprob, top = plain
+        return cls(token, logprob, [tuple(pair) for pair in top] if top else None)
+
 
 @dataclass
 class StepResult:
@@ -163,6 +219,16 @@ class StepResult:
     # one entry per scheduled sequence whose `sample` was true
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     forward_seconds: float = 0.0
+
+    def to_plain(self) -> list:
+        sampled = {rid: t.to_plain() for rid, t in self.sampled.items()}
+        return [self.step_id, sampled, self.forward_seconds]
+
+    @classmethod
+    def from_plain(cls, plain: list | tuple) -> StepResult:
+        step_id, sampled, seconds = plain
+        return cls(step_id, {rid: SampledToken.from_plain(t) for rid, t in sampled.items()},
+                   seconds)
 
 
 @dataclass
@@ -179,3 +245,16 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     preemptions: int = 0
     recomputed_tokens: int = 0
+
+    def to_plain(self) -> list:
+        logprobs = None if self.logprobs is None else [t.to_plain() for t in self.logprobs]
+        return [self.request_id, self.new_token_ids, self.finished, self.finish_reason, logprobs,
+                self.prompt_tokens, self.cached_tokens, self.preemptions, self.recomputed_tokens]
+
+    @classmethod
+    def from_plain(cls, plain: list | tuple) -> RequestOutput:
+        rid, tokens, finished, reason, logprobs, prompt, cached, preemptions, recomputed = plain
+        if logprobs is not None:
+            logprobs = [SampledToken.from_plain(t) for t in logprobs]
+        return cls(rid, list(tokens), finished, reason, logprobs, prompt, cached, preemptions,
+                   recomputed)

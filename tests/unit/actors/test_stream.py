@@ -19,7 +19,7 @@ def drain(inbox: Inbox) -> list:
     items = []
     while True:
         try:
-            items.append(inbox._recv.receive_nowait())
+            items.append(inbox.get_nowait())
         except trio.WouldBlock:
             return items
 

@@ -1,0 +1,97 @@
+"""Messages between actors cross as bytes and come back equal, with their own types; anything
+that is not data (an inbox, a socket, an object with state) is refused at the sender."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from sluice.actors.base import CODEC, Inbox
+from sluice.actors.scheduler.plan import (
+    RequestOutput,
+    SampledToken,
+    SamplingParams,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
+from sluice.ipc import messages as m
+
+SAMPLING = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, seed=3, stop=("END",),
+                          stop_token_ids=(2,))
+CHUNK = m.Chunk("r1", "héllo", (5, 6), (-0.5, -1.25))
+FINISHED = m.Finished("r1", m.FinishReason.LENGTH, m.Usage(3, 2, 1, 0), m.Timings(0.1, 0.2, 0.3))
+
+
+def roundtrip(msg):
+    return CODEC.decode(CODEC.encode(msg))
+
+
+@pytest.mark.parametrize("msg", [
+    m.Encode(m.Generate("r1", messages=(m.ChatMessage("user", "hi"),),
+                        sampling=m.Sampling(max_tokens=4, stop=("x",))),
+             "abcd/r1", b"\x00\xffconn", "inproc://stream", 12.5),
+    m.Admit("abcd/r1", b"conn", (1, 2, 3), SAMPLING, 2, "tenant-a", 1.5),
+    m.Release(("a/1", "a/2"), m.FinishReason.TIMEOUT),
+    m.Refused("a/1", m.RejectCode.TOO_LONG, "prompt too long", "prompt"),
+    m.Deliver((m.Accepted("r1", 7), CHUNK, CHUNK, FINISHED)),
+    m.Deliver((CHUNK, CHUNK, CHUNK)),
+    m.Outbound(b"conn", (b"frame-1", b"frame-2")),
+    m.Ask(m.StatusQuery(check_invariants=True), "inproc://control", 4),
+    m.Operate(m.CancelCommand("a/1"), "inproc://control", 5, frozenset({b"a", b"b"})),
+    m.Operate("release_all"),
+    m.Reply(5, m.CommandReply("cancel", True, "cancelled a/1")),
+    m.StepOutputs(tuple(RequestOutput(f"a/{i}", [i], finished=i == 2, finish_reason="length"
+                                      if i == 2 else None, prompt_tokens=4) for i in range(3))),
+    m.StepOutputs((RequestOutput("a/1", [7], logprobs=[SampledToken(7, -0.25, [(7, -0.25)])]),)),
+    m.Tick(),
+    m.WorkerLost("worker exited with -9"),
+])  # fmt: skip
+def test_messages_come_back_equal(msg) -> None:
+    back = roundtrip(msg)
+    assert back == msg
+    assert type(back) is type(msg)
+
+
+def test_enums_lists_tuples_and_sets_keep_their_types() -> None:
+    release = roundtrip(m.Release(("a/1",), m.FinishReason.CANCELLED))
+    assert release.reason is m.FinishReason.CANCELLED and isinstance(release.request_ids, tuple)
+    outputs = roundtrip(m.StepOutputs((RequestOutput("a/1", [4, 5]),))).outputs
+    assert type(outputs[0].new_token_ids) is list
+    operate = roundtrip(m.Operate("x", "", 0, frozenset({b"c"})))
+    assert type(operate.connections) is frozenset
+
+
+def test_a_step_plan_and_its_result_cross_whole() -> None:
+    other = dataclasses.replace(SAMPLING, temperature=0.0)
+    plan = StepPlan(7, [
+        ScheduledSeq("a/1", [1, 2, 3], 0, [4, 9], True, SAMPLING, 0, 11, [1, 2, 3], []),
+        ScheduledSeq("a/2", [8], 40, [1, 2, 3], True, other, 5, 12),
+        ScheduledSeq("a/3", [6, 6], 3, [0], False, SAMPLING),
+    ])  # fmt: skip
+    back = roundtrip(plan)
+    assert back == plan
+    assert back.seqs[0].sampling is back.seqs[2].sampling  # equal params sent once
+    result = StepResult(7, {"a/1": SampledToken(3, -0.1, [(3, -0.1), (4, -2.0)]),
+                            "a/2": SampledToken(9)}, 0.004)
+    assert roundtrip(result) == result
+
+
+def test_the_receiver_gets_a_copy() -> None:
+    tokens = [1, 2]
+    out = RequestOutput("a/1", tokens)
+    frame = CODEC.encode(m.StepOutputs((out,)))
+    tokens.append(3)  # the sender keeps using its object
+    assert CODEC.decode(frame).outputs[0].new_token_ids == [1, 2]
+
+
+def test_objects_that_are_not_data_are_refused_at_the_sender() -> None:
+    inbox = Inbox("not-data")
+    try:
+        with pytest.raises(TypeError, match="Inbox cannot travel between actors"):
+            CODEC.encode(m.Ask(m.StatusQuery(), inbox, 1))
+        with pytest.raises(TypeError, match="object cannot travel"):
+            CODEC.encode(m.Reply(1, object()))
+    finally:
+        inbox.close()
