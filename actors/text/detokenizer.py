@@ -7,17 +7,17 @@ everything after it is dropped.
 
 from __future__ import annotations
 
-# how many already-decoded tokens to re-decode as context, so merges at the seam come out right
-_CONTEXT_TOKENS = 6
+from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...] | list[str] = ()):
-        self._tokenizer = tokenizer
+        self._backend = tokenizer.backend
         self._stop = tuple(s for s in stop if s)
-        self._ids: list[int] = []
-        self._prefix_offset = 0  # start of the re-decoded context window
-        self._read_offset = 0  # tokens before this are already turned into text
+        # the tokenizers library's own incremental decoder: it re-decodes a few tokens of
+        # context so merges at the seam come out right, and holds back an unfinished UTF-8
+        # sequence, in one native call per token
+        self._stream = DecodeStream(skip_special_tokens=True)
         self._held = ""  # decoded text not sent yet because it may start a stop string
         self.stopped = False
         self.text = ""  # everything returned so far
@@ -26,8 +26,7 @@ class IncrementalDetokenizer:
         """Add tokens; return the text that can be sent now."""
         if self.stopped:
             return ""
-        self._ids.extend(token_ids)
-        delta = self._decode_new()
+        delta = self._decode_new(token_ids)
         if not delta:
             return ""
         buffer = self._held + delta
@@ -51,16 +50,9 @@ class IncrementalDetokenizer:
         self.text += text
         return text
 
-    def _decode_new(self) -> str:
-        decode = self._tokenizer.decode
-        context = decode(self._ids[self._prefix_offset:self._read_offset])
-        full = decode(self._ids[self._prefix_offset:])
-        # a trailing replacement char means an unfinished UTF-8 sequence: wait for more bytes
-        if len(full) <= len(context) or full.endswith("\ufffd"):
-            return ""
-        self._read_offset = len(self._ids)
-        self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
-        return full[len(context):]
+    def _decode_new(self, token_ids: list[int]) -> str:
+        step, backend = self._stream.step, self._backend
+        return "".join(piece for token in token_ids if (piece := step(backend, token)) is not None)
 
     def _first_stop(self, buffer: str) -> int | None:
         positions = [i for i in (buffer.find(s) for s in self._stop) if i >= 0]
