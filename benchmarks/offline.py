@@ -298,6 +298,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="torch threads for every system (default: all cores)")
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
     parser.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    parser.add_argument("--write-workload", metavar="FILE", default=None,
+                        help="write the workload as JSON lines for `sluice bench --workload` "
+                             "and exit")
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in args.systems if s not in SYSTEMS]
@@ -329,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(model_path)
     corpus_ids = tokenizer.encode(stdlib_corpus())
     workload = make_workload(corpus_ids, args.requests, args.seed)
+    if args.write_workload:
+        with open(args.write_workload, "w") as handle:
+            for prompt, n in zip(workload.prompts, workload.output_lens):
+                handle.write(json.dumps({"prompt_ids": prompt, "max_tokens": n}) + "\n")
+        return 0
     summary = workload.summary(args.seed, args.dtype, threads, len(corpus_ids))
     log(f"workload: {summary['requests']} requests, seed {args.seed}, "
         f"{summary['prompt_tokens']} prompt + {summary['output_tokens']} output tokens, "
