@@ -34,8 +34,7 @@ SNAPSHOT_INTERVAL = 0.25  # seconds between snapshots to subscribers
 class ControlHooks:
     """What the daemon lets the Control actor do beyond messages."""
 
-    gateway: Outbox | None = None  # told Drain / Undrain
-    connection_ids: Callable[[], frozenset[bytes]] = frozenset  # live client connections
+    gateway: Outbox | None = None  # told Drain / Undrain, asked for live connections
     recover: Callable[[], Awaitable[str]] | None = None  # restart the worker; a line to report
     # debug-only faults by kind; None when the daemon does not allow fault injection
     faults: dict[str, Callable[[], Awaitable[str]]] | None = None
@@ -45,8 +44,7 @@ class ControlHooks:
 class Control(Actor):
     name = "control"
 
-    def __init__(self, address: str, *, scheduler: Outbox,
-                 connections: Callable[[], int] | None = None, hooks: ControlHooks | None = None):
+    def __init__(self, address: str, *, scheduler: Outbox, hooks: ControlHooks | None = None):
         super().__init__()
         self.hooks = hooks or ControlHooks()
         self.subscribers: dict[bytes, float] = {}  # identity -> subscription end (trio clock)
@@ -55,9 +53,8 @@ class Control(Actor):
         self.listen = address
         self.address: str | None = None
         self.scheduler = scheduler
-        self.connections = connections  # () -> int, live client connections
         self.codec = Codec(m.CONTROL_REQUESTS)
-        # the scheduler's answers; a `Reply` names the question by token
+        # answers of the scheduler and the gateway; a `Reply` names the question by token
         self.replies = Inbox("control-replies")
         self._tokens = itertools.count(1)
         self._answers: dict[int, list] = {}  # token -> [] until the answer is in it
@@ -100,11 +97,11 @@ class Control(Actor):
                 self._answered.set()
                 self._answered = trio.Event()
 
-    async def _ask_scheduler(self, question: Callable[[str, int], object]) -> object:
-        """Send `question(reply_address, token)` to the scheduler and wait for its answer."""
+    async def _ask(self, actor: Outbox, question: Callable[[str, int], object]) -> object:
+        """Send `question(reply_address, token)` to an actor and wait for its answer."""
         token = next(self._tokens)
         answer = self._answers[token] = []
-        self.scheduler.put(question(self.replies.address, token))
+        actor.put(question(self.replies.address, token))
         try:
             with trio.fail_after(10):
                 while not answer:
@@ -113,11 +110,21 @@ class Control(Actor):
             del self._answers[token]
         return answer[0]
 
+    async def connection_ids(self) -> frozenset[bytes] | None:
+        """The live client connections, from the gateway (None without one)."""
+        if self.hooks.gateway is None:
+            return None
+        answer = await self._ask(self.hooks.gateway,
+                                 lambda address, token: m.Ask(m.ListConnections(), address, token))
+        return answer.ids
+
     async def status(self, query: m.StatusQuery) -> m.StatusReport:
-        snapshot = await self._ask_scheduler(lambda address, token: m.Ask(query, address, token))
+        snapshot = await self._ask(self.scheduler,
+                                   lambda address, token: m.Ask(query, address, token))
         report = snapshot.report
-        if self.connections is not None:
-            report = replace(report, connections=self.connections())
+        connections = await self.connection_ids()
+        if connections is not None:
+            report = replace(report, connections=len(connections))
         return report
 
     async def _serve(self) -> None:
@@ -144,12 +151,13 @@ class Control(Actor):
         return True
 
     async def snapshot(self) -> m.ControlSnapshot:
-        snap = await self._ask_scheduler(
-            lambda address, token: m.Ask(m.Subscribe(), address, token))
+        snap = await self._ask(self.scheduler,
+                               lambda address, token: m.Ask(m.Subscribe(), address, token))
         self.seq += 1
         status = snap.status
-        if self.connections is not None:
-            status = replace(status, connections=self.connections())
+        connections = await self.connection_ids()
+        if connections is not None:
+            status = replace(status, connections=len(connections))
         return replace(snap, seq=self.seq, status=status)
 
     async def _publish(self) -> None:
@@ -169,9 +177,9 @@ class Control(Actor):
                     self.subscribers.pop(identity, None)
 
     async def _operate(self, command: object) -> m.CommandReply:
-        connections = self.hooks.connection_ids()
-        return await self._ask_scheduler(
-            lambda address, token: m.Operate(command, address, token, connections))
+        connections = await self.connection_ids() or frozenset()
+        return await self._ask(
+            self.scheduler, lambda address, token: m.Operate(command, address, token, connections))
 
     async def command(self, identity: bytes, command: object) -> object:
         """Carry out one operator command and say what happened."""

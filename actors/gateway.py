@@ -23,7 +23,7 @@ import trio
 import zmq
 from zmq.utils import z85
 
-from sluice.actors.base import Actor, Handler, Inbox
+from sluice.actors.base import Actor, Handler, Inbox, Outboxes
 from sluice.actors.stream import Stream
 from sluice.actors.supervisor import Supervisor
 from sluice.ipc import messages as m
@@ -59,6 +59,7 @@ class Gateway(Actor):
         self.address: str | None = None  # the bound address, kept across restarts
         self.draining = False
         self.streams: dict[bytes, Stream] = {}
+        self.askers = Outboxes()  # who asked for the live connections (the control actor)
 
     def reset(self) -> None:
         self.zap: Socket | None = None
@@ -78,6 +79,7 @@ class Gateway(Actor):
 
     def close(self) -> None:
         super().close()
+        self.askers.close()
         for stream in self.streams.values():
             stream.close()
 
@@ -87,6 +89,7 @@ class Gateway(Actor):
             m.StreamClosed: self.on_stream_closed,
             m.Drain: self.on_drain,
             m.Undrain: self.on_undrain,
+            m.Ask: self.on_ask,
         }
 
     async def background(self, nursery: trio.Nursery) -> None:
@@ -128,6 +131,11 @@ class Gateway(Actor):
 
     async def on_undrain(self, msg: m.Undrain) -> None:
         self.draining = False
+
+    async def on_ask(self, msg: m.Ask) -> None:
+        if isinstance(msg.query, m.ListConnections):
+            live = m.Connections(frozenset(self.streams))
+            self.askers.put(msg.reply_to, m.Reply(msg.token, live))
 
     def vanish(self, connection: bytes) -> bool:
         """Debug fault: drop a connection's stream without a word to anyone."""

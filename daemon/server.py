@@ -116,7 +116,6 @@ class Daemon:
                                                 for tenant, keys in cfg.auth.tenants.items()
                                                 for key in keys})
             self.control = Control(cfg.control_address, scheduler=scheduler_inbox,
-                                   connections=lambda: len(self.gateway.streams),
                                    hooks=self._control_hooks(gateway_inbox))
             for actor in (self.scheduler, self.tokenizer, self.gateway, self.control):
                 await self.supervisor.start_child(actor)
@@ -155,9 +154,7 @@ class Daemon:
         faults = None
         if self.config.debug_faults:
             faults = {"worker_down": self._stop_worker, "vanish_stream": self._vanish_stream}
-        return ControlHooks(gateway=gateway_inbox,
-                            connection_ids=lambda: frozenset(self.gateway.streams),
-                            recover=self.recover, faults=faults)
+        return ControlHooks(gateway=gateway_inbox, recover=self.recover, faults=faults)
 
     async def recover(self) -> str:
         """Restart the worker: start a stopped one, or replace a running one."""

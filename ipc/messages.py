@@ -495,11 +495,22 @@ class FailAll:
 @dataclass(frozen=True)
 class Ask:
     """Control -> Scheduler: a status query; the answer comes back as `Reply(token, Snapshot)`
-    (a `ControlSnapshot` for `Subscribe`)."""
+    (a `ControlSnapshot` for `Subscribe`). Control -> Gateway: `ListConnections`."""
 
-    query: Any  # StatusQuery or Subscribe
+    query: Any  # StatusQuery, Subscribe or ListConnections
     reply_to: str  # the asker's inbox address
     token: int  # echoed in the Reply, so concurrent questions get their own answers
+
+
+@dataclass(frozen=True)
+class ListConnections:
+    """Control -> Gateway, inside an `Ask`: which client connections are live; the answer is
+    `Connections`."""
+
+
+@dataclass(frozen=True)
+class Connections:
+    ids: frozenset[bytes]
 
 
 @dataclass(frozen=True)
