@@ -144,12 +144,6 @@ class Inbox(Outbox):
                 await trio.lowlevel.checkpoint()
             return msg
 
-    async def __aenter__(self) -> Inbox:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
-
 
 class Actor:
     """Subclasses fill `handlers()`, and override `reset`, `background` and `on_crash`."""
