@@ -8,7 +8,10 @@
 
 Credits are granted as the application consumes chunks, so an application that stops
 reading becomes a slow client and the daemon pauses its request. Heartbeats run in the
-background. A refusal raises the `RejectedError` subclass of its code.
+background. A refusal raises the `RejectedError` subclass of its code. Against a daemon with
+CURVE authentication, pass its public key and this client's key pair (Z85 text, as
+`zmq.curve_keypair()` makes them): `AsyncClient(address, curve_server_key=...,
+curve_keypair=(public, secret))`.
 """
 
 from __future__ import annotations
@@ -120,9 +123,18 @@ class AsyncClient:
     """A connection to a daemon; use `async with`. Safe to share between trio tasks."""
 
     def __init__(self, address: str, *, credit_window: int = 16, heartbeat_interval: float = 1.0,
-                 daemon_timeout: float = 15.0, tenant: str = "default"):
+                 daemon_timeout: float = 15.0, tenant: str = "default",
+                 curve_server_key: str | bytes | None = None,
+                 curve_keypair: tuple[str | bytes, str | bytes] | None = None):
         if credit_window < 1:
             raise ValueError("credit_window must be >= 1")
+        if (curve_server_key is None) != (curve_keypair is None):
+            raise ValueError("CURVE needs both curve_server_key and curve_keypair")
+        self._curve = None
+        if curve_server_key is not None:
+            self._curve = tuple(_z85_key(name, key) for name, key in (
+                ("curve_server_key", curve_server_key), ("curve_keypair[0]", curve_keypair[0]),
+                ("curve_keypair[1]", curve_keypair[1])))
         self.address = address
         self.credit_window = credit_window
         self.heartbeat_interval = heartbeat_interval
@@ -137,6 +149,11 @@ class AsyncClient:
     async def __aenter__(self) -> AsyncClient:
         self._socket = Socket(zmq.DEALER)
         self._socket.zmq.setsockopt(zmq.ROUTING_ID, os.urandom(8))
+        if self._curve is not None:
+            server, public, secret = self._curve
+            self._socket.zmq.curve_serverkey = server
+            self._socket.zmq.curve_publickey = public
+            self._socket.zmq.curve_secretkey = secret
         self._socket.connect(self.address)
         self._last_heard = trio.current_time()
         self._nursery_manager = trio.open_nursery()
@@ -324,3 +341,11 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _z85_key(name: str, key: str | bytes) -> bytes:
+    """A CURVE key as ZeroMQ takes it: 40 characters of Z85."""
+    raw = key.encode() if isinstance(key, str) else key
+    if len(raw) != 40:
+        raise ValueError(f"{name}: a CURVE key is 40 characters of Z85, got {len(raw)}")
+    return raw

@@ -1,5 +1,6 @@
 """CURVE on the client socket: no server key or an unknown client key gets no service, a known
-key's requests run under its tenant whatever they claim, and its limits yield Rejected(quota)."""
+key's requests run under its tenant whatever they claim, and its limits yield Rejected(quota).
+The client library connects with keys too."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import zmq
 
 from sluice.daemon.config import AuthSettings
 from sluice.ipc import messages as m
+from sluice.ipc.client import AsyncClient
 from sluice.ipc.codec import Codec
 from sluice.ipc.control import send_command
 from sluice.ipc.sockets import Socket
@@ -91,3 +93,23 @@ async def test_curve_keys_decide_service_and_tenant(null_daemon) -> None:
         client.close()
         for stranger in strangers:
             stranger.close()
+
+
+async def test_the_client_library_speaks_curve(null_daemon) -> None:
+    server_public, server_secret = zmq.curve_keypair()
+    public, secret = zmq.curve_keypair()
+    auth = AuthSettings(server_secret_key=server_secret.decode(),
+                        tenants={"chat": [public.decode()]})
+    handle = await null_daemon(auth=auth)
+    with pytest.raises(ValueError, match="both curve_server_key and curve_keypair"):
+        AsyncClient(handle.listen, curve_server_key=server_public)
+    with pytest.raises(ValueError, match="curve_keypair\\[1\\]: a CURVE key is 40 characters"):
+        AsyncClient(handle.listen, curve_server_key=server_public, curve_keypair=(public, "x"))
+    with trio.fail_after(30):
+        async with AsyncClient(handle.listen, curve_server_key=server_public.decode(),
+                               curve_keypair=(public.decode(), secret.decode())) as client:
+            result = await (await client.generate("hello", max_tokens=3,
+                                                  ignore_eos=True)).collect()
+    assert result.finish_reason == "length" and len(result.token_ids) == 3
+    snap = await send_command(handle.control, m.Subscribe(ttl=0.5))
+    assert snap.detail["tenants"]["chat"]["finished"] == 1
