@@ -51,6 +51,8 @@ class WorkerSpec:
     max_failed_starts: int = 5
     backoff_initial: float = 0.2
     backoff_max: float = 5.0
+    # a test fault: the worker fails every step that computes this token id
+    debug_fail_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,8 @@ class Executor(Actor):
             cmd += ["--max-model-len", str(spec.max_model_len)]
         if spec.threads is not None:
             cmd += ["--threads", str(spec.threads)]
+        if spec.debug_fail_token is not None:
+            cmd += ["--debug-fail-token", str(spec.debug_fail_token)]
         return cmd
 
     async def _handshake(self) -> None:

@@ -63,6 +63,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--debug-fail-token", type=int, default=None,
+                        help="a test fault: fail every step that computes this token id")
     return parser.parse_args(argv)
 
 
@@ -99,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         try:
             if op == "step":
-                reply = encode_result(runner.execute(decode_plan(msg)))
+                plan = decode_plan(msg)
+                poison = args.debug_fail_token
+                if poison is not None and any(poison in s.token_ids for s in plan.seqs):
+                    raise RuntimeError(f"test fault: a step computes token {poison}")
+                reply = encode_result(runner.execute(plan))
             elif op == "health":
                 started = time.perf_counter()
                 runner.reset_kv()

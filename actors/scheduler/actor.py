@@ -4,7 +4,9 @@ It admits what the Tokenizer sends, keeps at most one `StepPlan` in flight at th
 applies each `StepResult` and hands the outputs back to the Tokenizer. Releases (cancel,
 timeout, client gone, errors) are applied at once, so their KV is free in the same
 iteration; pauses and resumes wait for the step in flight. `WorkerLost` voids the step in
-flight and sends every request holding KV back to the queue to recompute.
+flight and sends every request holding KV back to the queue to recompute. A request that was
+in the lost step of `max_step_losses` workers ends with `error` instead: whatever in it kills
+the worker (a bug, a fault on one shape) must not hold the daemon in a restart loop.
 
 Steps wait while the actors downstream (tokenizer, gateway) hold more than
 `downstream_limit` untaken messages: inboxes are unbounded (actors form cycles), so this
@@ -16,7 +18,7 @@ It also answers status queries: the numbers `sluice status` prints.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 import structlog
 import trio
@@ -51,10 +53,12 @@ class SchedulerActor(Actor):
         inbox: Inbox | None = None,
         downstream: Sequence[Inbox] = (),
         downstream_limit: int = 256,
+        max_step_losses: int = 3,
     ):
         super().__init__(inbox=inbox)
         self.downstream = tuple(downstream)
         self.downstream_limit = downstream_limit
+        self.max_step_losses = max_step_losses
         self.make_core = make_core
         self.tokenizer = tokenizer
         self.executor = executor
@@ -74,6 +78,7 @@ class SchedulerActor(Actor):
         self.tombstones: OrderedDict[str, None] = OrderedDict()
         self.worker_ready = self.initial_worker_ready
         self.waiting_for_room = False
+        self.step_losses: Counter[str] = Counter()  # lost workers per request in their step
 
     def handlers(self) -> dict[type, Handler]:
         return {
@@ -151,6 +156,7 @@ class SchedulerActor(Actor):
 
     async def on_finish(self, msg: m.Finish) -> None:
         out = self.core.finish(msg.request_id, reason="stop")
+        self.step_losses.pop(msg.request_id, None)
         if out is not None:
             self.counters["finished"] += 1  # the tokenizer already sent the Finished
             _log_end(out)
@@ -183,10 +189,28 @@ class SchedulerActor(Actor):
     async def on_worker_lost(self, msg: m.WorkerLost) -> None:
         self.worker_ready = False
         self.worker_state = "restarting"
-        self.in_flight = None
+        lost, self.in_flight = self.in_flight, None
         requeued = self.core.requeue_all()
-        log.warning("worker lost", reason=msg.reason, requeued=len(requeued))
+        failed = self._charge_lost_step(lost)
+        log.warning("worker lost", reason=msg.reason, requeued=len(requeued), failed=len(failed))
         self._after_step()
+
+    def _charge_lost_step(self, plan: StepPlan | None) -> list[str]:
+        """Count the loss against every request of the lost step; end those past the limit."""
+        if plan is None:
+            return []
+        failed = []
+        for seq in plan.seqs:
+            self.step_losses[seq.request_id] += 1
+            if self.step_losses[seq.request_id] >= self.max_step_losses:
+                failed.append(seq.request_id)
+        outputs = [self.core.abort(rid, reason="error") for rid in failed]
+        outputs = [out for out in outputs if out is not None]
+        for rid in failed:
+            log.error("request failed: its steps lost the worker", request_id=rid,
+                      losses=self.step_losses[rid])
+        self._emit(outputs)
+        return failed
 
     async def on_worker_ready(self, msg: m.WorkerReady) -> None:
         self.worker_ready = True
@@ -227,6 +251,7 @@ class SchedulerActor(Actor):
         self.latency.record(self.core, outputs)
         for out in outputs:
             if out.finished:
+                self.step_losses.pop(out.request_id, None)
                 key = "cancelled" if out.finish_reason in ("cancelled", "timeout") else "finished"
                 self.counters[key] += 1
                 _log_end(out)

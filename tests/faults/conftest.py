@@ -34,3 +34,9 @@ def daemon_process():
     for process in started:
         process.kill()
         process.wait()
+
+
+@pytest.fixture
+def drained_and_consistent():
+    """`await drained_and_consistent(control)`: no live request left, KV invariant holds."""
+    return assert_drained_and_consistent
