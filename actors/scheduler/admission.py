@@ -103,9 +103,10 @@ class AdmissionMixin:
                 f"exceeds tenant {request.tenant!r}'s max_context {limits.max_context}"
             )
         tenant = self.tenants.get(request.tenant)
-        if limits.max_queued is not None and tenant and tenant.waiting >= limits.max_queued:
+        queued = tenant.waiting if tenant is not None else 0  # no state yet: nothing queued
+        if limits.max_queued is not None and queued >= limits.max_queued:
             raise Quota(
-                f"tenant: {request.tenant!r} already has {tenant.waiting} requests queued "
+                f"tenant: {request.tenant!r} already has {queued} requests queued "
                 f"(max_queued {limits.max_queued})"
             )
         if len(self.waiting) >= self.config.max_queued:

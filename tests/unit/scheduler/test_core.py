@@ -229,6 +229,13 @@ def test_duplicate_id_queue_limits(make_sched):
     assert sched.stats()["rejected"] == 3
 
 
+def test_a_tenant_allowed_no_queue_is_refused_from_its_first_request(make_sched):
+    sched = make_sched(tenants={"closed": TenantConfig(max_queued=0, max_running=0)})
+    with pytest.raises(Quota, match="max_queued 0"):
+        sched.add_request(req("c1", tenant="closed"))
+    assert not sched.has_unfinished()
+
+
 def test_prompt_larger_than_the_kv_pool_is_too_long(make_sched):
     sched = make_sched(kv_blocks=2, block_size=4)
     with pytest.raises(TooLong, match="KV pool"):
