@@ -53,6 +53,8 @@ class Daemon:
         self.gateway: Gateway | None = None
         self.control: Control | None = None
         self.metrics_port: int | None = None  # bound port of /metrics, when enabled
+        # tenants the config file names, so a reload can reset those it no longer names
+        self._file_tenants: set[str] = set()
 
     @property
     def listen_address(self) -> str:
@@ -87,6 +89,7 @@ class Daemon:
                 {**cfg.scheduler, "kv_blocks": facts.num_blocks, "block_size": facts.block_size}
             )
             max_model_len = facts.max_model_len
+            self._file_tenants = set(core_config.tenants)
 
             def make_core() -> Scheduler:
                 return Scheduler(core_config, eos_token_ids=tokenizer.eos_token_ids,
@@ -144,10 +147,18 @@ class Daemon:
                 f"{report.kv.total_blocks}")
 
     def reload_tenants(self, config: DaemonConfig) -> list[str]:
-        """Apply the tenants (weights, limits) of a re-read config; names of those changed."""
+        """Make the tenants (weights, limits) what a re-read config says; their names.
+
+        The file is the truth: a limit deleted from it is lifted, and a tenant deleted from it
+        returns to the defaults. Tenants only ever set by an operator command are left alone.
+        """
         tenants = SchedulerConfig.from_dict({**config.scheduler, "kv_blocks": 1}).tenants
+        for name in self._file_tenants - set(tenants):
+            self.scheduler.inbox.put(m.Operate(m.TenantSet(name, reset=True)))
         for name, tenant in tenants.items():  # no reply address: nobody waits for the answer
-            self.scheduler.inbox.put(m.Operate(m.TenantSet(name, **dataclasses.asdict(tenant))))
+            self.scheduler.inbox.put(m.Operate(m.TenantSet(name, **dataclasses.asdict(tenant),
+                                                           reset=True)))
+        self._file_tenants = set(tenants)
         return sorted(tenants)
 
     def _control_hooks(self, gateway_inbox: Inbox) -> ControlHooks:

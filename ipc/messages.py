@@ -296,7 +296,7 @@ class CancelCommand:
 
 @dataclass(frozen=True)
 class TenantSet:
-    """Change one tenant's weight or limits at run time (unset fields keep their value)."""
+    """Change one tenant's weight or limits at run time."""
 
     TAG: ClassVar[int] = 41
     name: str
@@ -305,6 +305,9 @@ class TenantSet:
     max_queued: int | None = None
     max_context: int | None = None
     max_new_tokens: int | None = None
+    # False: unset fields keep their value; True: they return to the defaults (weight 1, no
+    # limit), so the tenant becomes exactly what this message says
+    reset: bool = False
 
 
 @dataclass(frozen=True)

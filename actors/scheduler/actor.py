@@ -349,13 +349,17 @@ class SchedulerActor(Actor):
     def _set_tenant(self, command: m.TenantSet) -> m.CommandReply:
         import dataclasses
 
-        from sluice.actors.scheduler.config import ConfigError
+        from sluice.actors.scheduler.config import ConfigError, TenantConfig
 
         core = self.core
-        current = (core.tenants[command.name].config if command.name in core.tenants
-                   else core.config.tenant(command.name))
-        changes = {f.name: getattr(command, f.name) for f in dataclasses.fields(command)
-                   if f.name != "name" and getattr(command, f.name) is not None}
+        if command.reset:
+            current = TenantConfig()
+        elif command.name in core.tenants:
+            current = core.tenants[command.name].config
+        else:
+            current = core.config.tenant(command.name)
+        changes = {f.name: getattr(command, f.name) for f in dataclasses.fields(current)
+                   if getattr(command, f.name) is not None}
         try:
             tenant = dataclasses.replace(current, **changes)
         except ConfigError as exc:

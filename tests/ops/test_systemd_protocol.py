@@ -78,27 +78,38 @@ async def test_ready_watchdog_and_sigterm_drain_with_exit_zero(sluiced, tmp_path
 async def test_sighup_reloads_tenant_limits(sluiced, tmp_path) -> None:
     listener = NotifyListener(tmp_path / "notify.sock")
     config = tmp_path / "sluiced.toml"
-    config.write_text("[scheduler.tenants.batch]\nweight = 1.0\n")
+    closed = "max_queued = 0\nmax_running = 0\n"
+    config.write_text("[scheduler.tenants.batch]\nweight = 1.0\n"
+                      f"[scheduler.tenants.opened]\n{closed}[scheduler.tenants.gone]\n{closed}")
     control = f"ipc://{tmp_path}/control.sock"
     process, fields = sluiced(
         ["--executor", "null", "--config", str(config), "--listen", "tcp://127.0.0.1:0",
          "--control", control], env={"NOTIFY_SOCKET": listener.path})
     await listener.wait_for("READY=1")
-    config.write_text("[scheduler.tenants.batch]\nweight = 3.0\nmax_queued = 0\n"
-                      "max_running = 0\n")
+
+    async def refused(tenant: str) -> bool:
+        async with AsyncClient(fields["listen"], tenant=tenant) as client:
+            try:
+                result = await (await client.generate("x", max_tokens=2)).collect()
+            except SluiceError as exc:
+                assert "quota" in str(exc) or "tenant" in str(exc)
+                return True
+            assert result.finish_reason == "length"
+            return False
+
+    with trio.fail_after(20):
+        assert [await refused(t) for t in ("batch", "opened", "gone")] == [False, True, True]
+    # batch gets limits, opened loses its limits, gone is no longer in the file
+    config.write_text(f"[scheduler.tenants.batch]\nweight = 3.0\n{closed}"
+                      "[scheduler.tenants.opened]\nweight = 2.0\n")
     process.send_signal(signal.SIGHUP)
     await listener.wait_for("RELOADING=1")
     await listener.wait_for("READY=1", count=2)
     snap = await send_command(control, m.Subscribe(ttl=0.5))
     assert snap.detail["tenants"]["batch"]["weight"] == 3.0
+    assert snap.detail["tenants"]["opened"]["weight"] == 2.0
     with trio.fail_after(20):
-        async with AsyncClient(fields["listen"], tenant="batch") as client:
-            try:
-                await client.generate("x", max_tokens=2)
-            except SluiceError as exc:
-                assert "quota" in str(exc) or "tenant" in str(exc)
-            else:
-                raise AssertionError("the reloaded limits were not applied")
+        assert [await refused(t) for t in ("batch", "opened", "gone")] == [True, False, False]
     process.send_signal(signal.SIGTERM)
     with trio.fail_after(30):
         while process.poll() is None:
