@@ -129,6 +129,12 @@ class InspectionMixin:
             "tenants": {
                 name: {
                     "weight": t.config.weight,
+                    "limits": {
+                        "max_running": t.config.max_running,
+                        "max_queued": t.config.max_queued,
+                        "max_context": t.config.max_context,
+                        "max_new_tokens": t.config.max_new_tokens,
+                    },
                     "queues": dict(per_tenant_state.get(name, {})),
                     "waiting": t.waiting,
                     "running": t.running,

@@ -19,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight", type=float, default=None)
     for limit in _LIMITS:
         parser.add_argument(f"--{limit.replace('_', '-')}", type=int, default=None)
+    parser.add_argument("--reset", action="store_true",
+                        help="what is not given returns to the defaults (weight 1, no limits) "
+                             "instead of keeping its value")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
             print("sluice tenants set: a tenant NAME is required", file=sys.stderr)
             return 2
         limits = {k: getattr(args, k) for k in _LIMITS}
-        return run_command(args, m.TenantSet(args.name, weight=args.weight, **limits))
+        return run_command(args, m.TenantSet(args.name, weight=args.weight, **limits,
+                                             reset=args.reset))
     return _list(args)
 
 

@@ -34,6 +34,13 @@ async def test_operator_subcommands_drive_the_daemon(null_daemon, tmp_path) -> N
         assert changed.returncode == 0, changed.stderr
         listed = json.loads((await sluice("tenants", *at, "--json")).stdout)
         assert listed["batch"]["weight"] == 2.5
+        assert listed["batch"]["limits"]["max_running"] == 3
+        reset = await sluice("tenants", *at, "set", "batch", "--reset", "--max-queued", "9")
+        assert reset.returncode == 0, reset.stderr
+        listed = json.loads((await sluice("tenants", *at, "--json")).stdout)
+        assert listed["batch"]["weight"] == 1.0
+        assert listed["batch"]["limits"] == {"max_running": None, "max_queued": 9,
+                                             "max_context": None, "max_new_tokens": None}
         table = (await sluice("tenants", *at)).stdout.splitlines()
         assert table[0].split()[:3] == ["tenant", "weight", "share"]
 
