@@ -24,6 +24,8 @@ import structlog
 import trio
 
 from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
+from sluice.actors.scheduler.latency import LatencyLog
+from sluice.actors.scheduler.operations import OperatorCommands
 from sluice.actors.scheduler import Rejected, Request, Scheduler
 from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult
 from sluice.ipc import messages as m
@@ -40,7 +42,7 @@ REASON_NAMES = {reason: reason.name.lower() for reason in m.FinishReason}
 _TOMBSTONES = 4096  # released-before-admitted ids remembered, oldest forgotten first
 
 
-class SchedulerActor(Actor):
+class SchedulerActor(OperatorCommands, Actor):
     name = "scheduler"
 
     def __init__(
@@ -308,193 +310,9 @@ class SchedulerActor(Actor):
         self._emit([RequestOutput(rid, [], finished=True, finish_reason="error") for rid in rids])
         log.error("scheduler lost its requests", count=len(rids))
 
-    # -- operator commands (control socket): each answers a `CommandReply` ------------------
-
-    async def on_operate(self, msg: m.Operate) -> None:
-        command = msg.command
-        if isinstance(command, m.CancelCommand):
-            out = self.core.abort(command.request_id, reason="cancelled")
-            if out is not None:
-                self._emit([out])
-                self._maybe_step()
-            reply = m.CommandReply("cancel", out is not None, f"cancelled {command.request_id}"
-                                   if out is not None else f"no live request {command.request_id}")
-        elif isinstance(command, m.DrainCommand):
-            self.draining = True
-            reply = m.CommandReply("drain", True, "draining: new requests are rejected")
-        elif isinstance(command, m.ReconcileCommand):
-            findings = self.reconcile(msg.connections)
-            reply = m.CommandReply("reconcile", True,
-                                   f"found and fixed {len(findings)} discrepancy(ies)" if findings
-                                   else "consistent: nothing to fix", tuple(findings))
-        elif isinstance(command, m.TenantSet):
-            reply = self._set_tenant(command)
-        elif isinstance(command, m.InjectFault) and command.kind == "leak_block":
-            block = self.core.block_manager.allocate(1)[0]
-            reply = m.CommandReply("fault", True, f"leaked block {block}")
-        elif command == "release_all":
-            rids = tuple(self.core.requests)
-            self._emit([out for rid in rids if (out := self.core.abort(rid)) is not None])
-            reply = m.CommandReply("drain", True,
-                                   f"cancelled {len(rids)} requests past the deadline")
-        else:
-            reply = m.CommandReply("unknown", False, f"the scheduler cannot do {command!r}")
-        self.askers.put(msg.reply_to, m.Reply(msg.token, reply))
-
-
-    async def on_undrain(self, msg: m.Undrain) -> None:
-        self.draining = False
-
-
-    def _set_tenant(self, command: m.TenantSet) -> m.CommandReply:
-        import dataclasses
-
-        from sluice.actors.scheduler.config import ConfigError, TenantConfig
-
-        core = self.core
-        if command.reset:
-            current = TenantConfig()
-        elif command.name in core.tenants:
-            current = core.tenants[command.name].config
-        else:
-            current = core.config.tenant(command.name)
-        changes = {f.name: getattr(command, f.name) for f in dataclasses.fields(current)
-                   if getattr(command, f.name) is not None}
-        try:
-            tenant = dataclasses.replace(current, **changes)
-        except ConfigError as exc:
-            return m.CommandReply("tenant", False, f"tenant {command.name}: {exc}")
-        core.configure_tenant(command.name, tenant)
-        self._maybe_step()
-        return m.CommandReply("tenant", True, f"tenant {command.name}: {tenant}")
-
-
-    def reconcile(self, connections: frozenset[bytes]) -> list[str]:
-        """Fix what the tables disagree on and say what it was; runs between steps."""
-        core, bm = self.core, self.core.block_manager
-        findings: list[str] = []
-        gone = []
-        for rid in core.requests:
-            connection, sep, _ = rid.partition("/")
-            if sep and bytes.fromhex(connection) not in connections:
-                gone.append(rid)
-        outputs = []
-        for rid in gone:
-            request = core.requests[rid]
-            findings.append(f"request {rid} ({request.state.value}, "
-                            f"{len(request.block_ids)} blocks) has no live connection: released")
-            outputs.append(core.abort(rid, reason="cancelled"))
-        owned: dict[int, int] = {}
-        for request in core.requests.values():
-            for block in request.block_ids:
-                owned[block] = owned.get(block, 0) + 1
-        for block in range(bm.num_total_blocks):
-            extra = bm.ref_count(block) - owned.get(block, 0)
-            if extra > 0:
-                findings.append(
-                    f"block {block} had {extra} reference(s) owned by no request: freed")
-                bm.free([block] * extra)
-        try:
-            core.check_invariants()
-        except AssertionError as exc:
-            findings.append(f"still inconsistent: {exc}")
-        self._emit([out for out in outputs if out is not None])
-        self._maybe_step()
-        if findings:
-            log.warning("reconcile fixed discrepancies", count=len(findings))
-        return findings
-
-
-    def detail(self, max_requests: int = 200) -> dict:
-        """What the console shows beyond the status report: plain values only."""
-        core = self.core
-        now = core.clock()
-        stats = core.stats()
-        requests = [
-            {"id": r.request_id, "tenant": r.tenant, "state": r.state.value,
-             "age": now - (r.arrival_time or now), "prompt_tokens": r.num_prompt_tokens,
-             "output_tokens": r.num_output_tokens, "blocks": len(r.block_ids),
-             "paused": r.state.value == "paused"}
-            for r in list(core.requests.values())[:max_requests]
-        ]
-        stats["requests"] = requests
-        stats["latency"] = self.latency.summary(now)
-        stats["worker"] = {"state": self.worker_state, "restarts": self.worker_restarts,
-                           "pid": self.worker_pid}
-        stats["draining"] = self.draining
-        return stats
 
 def _log_end(out: RequestOutput) -> None:
     """One line per ended request: ids, reason and lengths, never its text."""
     log.info("request ended", request_id=out.request_id, reason=out.finish_reason,
              prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
              preemptions=out.preemptions)
-
-
-async def wait_idle(actor: SchedulerActor, poll: float = 0.05) -> None:
-    """Return once the scheduler has no request left (used by drain)."""
-    while not actor.idle:
-        await trio.sleep(poll)
-
-
-class LatencyLog:
-    """Time to first token, inter-token latency and output tokens, from the outputs emitted.
-
-    Keeps the latest samples for percentiles; `observers` get each sample as it happens
-    (`(kind, value, tenant)`, kind `ttft`, `itl`, `iteration`, `decode_batch` or
-    `prefill_chunk`), which is how metrics histograms fill.
-    """
-
-    def __init__(self, keep: int = 2048):
-        from collections import deque
-
-        self.ttft: deque[float] = deque(maxlen=keep)
-        self.itl: deque[float] = deque(maxlen=keep)
-        self.tokens: deque[tuple[float, int]] = deque(maxlen=keep)  # (time, tokens)
-        self.output_tokens = 0
-        self.last_token: dict[str, float] = {}
-        self.observers: list[Callable[[str, float, str], None]] = []
-
-    def record(self, core: Scheduler, outputs: list[RequestOutput]) -> None:
-        now = core.clock()
-        for out in outputs:
-            n = len(out.new_token_ids)
-            request = core.requests.get(out.request_id) or core.recently_ended.get(out.request_id)
-            if n and request is not None:
-                self.output_tokens += n
-                self.tokens.append((now, n))
-                previous = self.last_token.get(out.request_id)
-                if previous is None:
-                    self._observe("ttft", now - (request.arrival_time or now), request.tenant)
-                else:
-                    self._observe("itl", (now - previous) / n, request.tenant)
-                self.last_token[out.request_id] = now
-            if out.finished:
-                self.last_token.pop(out.request_id, None)
-
-    def step(self, plan: StepPlan, seconds: float) -> None:
-        """One executed iteration: its duration, prefill chunk sizes and decode batch size."""
-        for observer in self.observers:
-            observer("iteration", seconds, "")
-            observer("decode_batch", float(plan.decode_tokens), "")
-            for seq in plan.seqs:
-                if not (len(seq.token_ids) == 1 and seq.num_generated > 0):  # not a decode
-                    observer("prefill_chunk", float(len(seq.token_ids)), "")
-
-    def _observe(self, kind: str, seconds: float, tenant: str) -> None:
-        (self.ttft if kind == "ttft" else self.itl).append(seconds)
-        for observer in self.observers:
-            observer(kind, seconds, tenant)
-
-    def summary(self, now: float, window: float = 5.0) -> dict:
-        recent = sum(n for t, n in self.tokens if now - t <= window)
-        return {"ttft": _percentiles(self.ttft), "itl": _percentiles(self.itl),
-                "tokens_per_second": recent / window, "output_tokens": self.output_tokens}
-
-
-def _percentiles(samples) -> dict[str, float]:
-    ordered = sorted(samples)
-    if not ordered:
-        return {"p50": 0.0, "p95": 0.0, "p99": 0.0}
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50": pick(0.50), "p95": pick(0.95), "p99": pick(0.99)}

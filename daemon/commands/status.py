@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plain))
         return 0
-    kv, req, counters = report.kv, report.requests, report.counters
+    kv, req = report.kv, report.requests
     print(f"state      {report.state}   connections {report.connections}")
     print(f"worker     {report.worker.state}   restarts {report.worker.restarts}")
     print(f"kv blocks  total {kv.total_blocks}  free {kv.free_blocks}  used {kv.used_blocks}  "
