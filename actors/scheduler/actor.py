@@ -192,6 +192,10 @@ class SchedulerActor(OperatorCommands, Actor):
         self.worker_ready = False
         self.worker_state = "restarting"
         lost, self.in_flight = self.in_flight, None
+        leaked = self.unowned_references()
+        if leaked:  # the pool is reset below, which would hide them from a later reconcile
+            log.error("worker lost with KV blocks owned by no request",
+                      blocks=[block for block, _ in leaked])
         requeued = self.core.requeue_all()
         failed = self._charge_lost_step(lost)
         log.warning("worker lost", reason=msg.reason, requeued=len(requeued), failed=len(failed))

@@ -87,16 +87,9 @@ class OperatorCommands:
             findings.append(f"request {rid} ({request.state.value}, "
                             f"{len(request.block_ids)} blocks) has no live connection: released")
             outputs.append(core.abort(rid, reason="cancelled"))
-        owned: dict[int, int] = {}
-        for request in core.requests.values():
-            for block in request.block_ids:
-                owned[block] = owned.get(block, 0) + 1
-        for block in range(bm.num_total_blocks):
-            extra = bm.ref_count(block) - owned.get(block, 0)
-            if extra > 0:
-                findings.append(
-                    f"block {block} had {extra} reference(s) owned by no request: freed")
-                bm.free([block] * extra)
+        for block, extra in self.unowned_references():
+            findings.append(f"block {block} had {extra} reference(s) owned by no request: freed")
+            bm.free([block] * extra)
         try:
             core.check_invariants()
         except AssertionError as exc:
@@ -106,6 +99,17 @@ class OperatorCommands:
         if findings:
             log.warning("reconcile fixed discrepancies", count=len(findings))
         return findings
+
+    def unowned_references(self) -> list[tuple[int, int]]:
+        """(block, references) for every block referenced more often than requests own it."""
+        core = self.core
+        owned: dict[int, int] = {}
+        for request in core.requests.values():
+            for block in request.block_ids:
+                owned[block] = owned.get(block, 0) + 1
+        counts = (core.block_manager.ref_count(b) - owned.get(b, 0)
+                  for b in range(core.block_manager.num_total_blocks))
+        return [(block, extra) for block, extra in enumerate(counts) if extra > 0]
 
     def detail(self, max_requests: int = 200) -> dict:
         """What the console shows beyond the status report: plain values only."""

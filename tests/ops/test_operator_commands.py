@@ -4,6 +4,7 @@ resume, cancel, tenant changes, reconcile of injected orphans, recover of a stop
 from __future__ import annotations
 
 import pytest
+import structlog.testing
 import trio
 
 from sluice.ipc import messages as m
@@ -136,3 +137,17 @@ async def test_recover_brings_a_stopped_worker_back_and_serving_resumes(null_dae
             assert result.finish_reason == "length" and len(result.token_ids) == 5
         up = await _wait_for(handle.control, lambda r: r.worker.state == "ready")
         assert up.worker.restarts == down.worker.restarts + 1
+
+
+async def test_a_worker_loss_names_leaked_blocks_before_the_pool_resets(null_daemon) -> None:
+    handle = await null_daemon(debug_faults=True)
+    with trio.fail_after(30):
+        leaked = await send_command(handle.control, m.InjectFault("leak_block"))
+        block = int(leaked.message.split()[-1])
+        with structlog.testing.capture_logs() as logs:
+            assert (await send_command(handle.control, m.InjectFault("worker_down"))).ok
+            await _wait_for(handle.control, lambda r: r.worker.state != "ready")
+        lost = [e for e in logs if e["event"] == "worker lost with KV blocks owned by no request"]
+        assert [e["blocks"] for e in lost] == [[block]]
+        assert (await send_command(handle.control, m.RecoverCommand())).ok
+        await _wait_for(handle.control, lambda r: r.worker.state == "ready")
