@@ -177,7 +177,9 @@ class Control(Actor):
                     self.subscribers.pop(identity, None)
 
     async def _operate(self, command: object) -> m.CommandReply:
-        connections = await self.connection_ids() or frozenset()
+        connections = frozenset()  # only reconcile looks at them: ask the gateway only then
+        if isinstance(command, m.ReconcileCommand):
+            connections = await self.connection_ids() or frozenset()
         return await self._ask(
             self.scheduler, lambda address, token: m.Operate(command, address, token, connections))
 

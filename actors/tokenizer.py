@@ -136,9 +136,8 @@ class Tokenizer(Actor):
             field = exc.field if exc.field.startswith(("prompt", "messages", "sampling")) else (
                 f"sampling.{exc.field}"
             )
-            self._outbox(msg.reply_to).append(m.Rejected(
+            self._deliver_one(msg.reply_to, m.Rejected(
                 request.request_id, m.RejectCode.INVALID, str(exc), field))
-            self._deliver()
             self.in_hand = None
             return
         self.requests[msg.request_id] = _Detok(
@@ -169,15 +168,13 @@ class Tokenizer(Actor):
         state = self.requests.get(msg.request_id)
         if state is not None:
             state.admitted_at = trio.current_time()
-            self._outbox(state.reply_to).append(m.Accepted(state.client_id, msg.prompt_tokens))
-            self._deliver()
+            self._deliver_one(state.reply_to, m.Accepted(state.client_id, msg.prompt_tokens))
 
     async def on_refused(self, msg: m.Refused) -> None:
         state = self._end(msg.request_id)
         if state is not None:
-            self._outbox(state.reply_to).append(m.Rejected(state.client_id, msg.code,
-                                                           msg.message, msg.field))
-            self._deliver()
+            self._deliver_one(state.reply_to, m.Rejected(state.client_id, msg.code, msg.message,
+                                                         msg.field))
 
     async def on_step_outputs(self, msg: m.StepOutputs) -> None:
         self._render_all(list(msg.outputs), trio.current_time())
@@ -202,6 +199,10 @@ class Tokenizer(Actor):
         if state is not None:
             self.stream_users[state.reply_to] -= 1
         return state
+
+    def _deliver_one(self, reply_to: str, msg: object) -> None:
+        self._outbox(reply_to).append(msg)
+        self._deliver()
 
     def _deliver(self) -> None:
         deliveries, self.deliveries = self.deliveries, {}

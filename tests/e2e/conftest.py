@@ -69,6 +69,12 @@ class DaemonHandle:
 
 
 @pytest.fixture
+def drained_and_consistent():
+    """`await drained_and_consistent(control)`, for tests that run their own daemon process."""
+    return assert_drained_and_consistent
+
+
+@pytest.fixture
 async def null_daemon(nursery, tmp_path):
     """`await null_daemon(**overrides)` starts an in-process daemon on the null executor."""
     from sluice.daemon.config import load_config

@@ -16,6 +16,7 @@ sys.modules[_spec.name] = _e2e  # dataclasses look their module up while the fil
 _spec.loader.exec_module(_e2e)
 
 null_daemon = _e2e.null_daemon
+drained_and_consistent = _e2e.drained_and_consistent
 assert_drained_and_consistent = _e2e.assert_drained_and_consistent
 start_daemon_process = _e2e.start_daemon_process
 
@@ -34,9 +35,3 @@ def daemon_process():
     for process in started:
         process.kill()
         process.wait()
-
-
-@pytest.fixture
-def drained_and_consistent():
-    """`await drained_and_consistent(control)`: no live request left, KV invariant holds."""
-    return assert_drained_and_consistent

@@ -20,6 +20,7 @@ else:
     _spec.loader.exec_module(_e2e)
 
 null_daemon = _e2e.null_daemon
+drained_and_consistent = _e2e.drained_and_consistent
 assert_drained_and_consistent = _e2e.assert_drained_and_consistent
 start_daemon_process = _e2e.start_daemon_process
 start_sluiced = _e2e.start_sluiced

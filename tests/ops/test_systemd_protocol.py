@@ -75,7 +75,7 @@ async def test_ready_watchdog_and_sigterm_drain_with_exit_zero(sluiced, tmp_path
     assert process.returncode == 0
 
 
-async def test_sighup_reloads_tenant_limits(sluiced, tmp_path) -> None:
+async def test_sighup_reloads_tenant_limits(sluiced, drained_and_consistent, tmp_path) -> None:
     listener = NotifyListener(tmp_path / "notify.sock")
     config = tmp_path / "sluiced.toml"
     closed = "max_queued = 0\nmax_running = 0\n"
@@ -110,6 +110,7 @@ async def test_sighup_reloads_tenant_limits(sluiced, tmp_path) -> None:
     assert snap.detail["tenants"]["opened"]["weight"] == 2.0
     with trio.fail_after(20):
         assert [await refused(t) for t in ("batch", "opened", "gone")] == [True, False, False]
+    await drained_and_consistent(control)
     process.send_signal(signal.SIGTERM)
     with trio.fail_after(30):
         while process.poll() is None:
