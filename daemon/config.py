@@ -21,6 +21,9 @@ max_model_len = 4096
 
 [scheduler]                 # actors.scheduler.SchedulerConfig
 policy = "fair"
+
+[limits]                    # actors.limits.Limits: what one client can make the daemon hold
+max_frame_bytes = 4194304
 ```
 Unknown keys are errors naming the key. Nothing here starts anything.
 """
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.actors.executor.actor import WorkerSpec
+from sluice.actors.limits import Limits
 from sluice.actors.stream import StreamConfig
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7340"
@@ -90,7 +94,6 @@ class DaemonConfig:
     model: str | None = None  # None or "default": the embedded model
     executor: str = "model"  # model | null
     drain_deadline: float = 30.0  # seconds SIGTERM waits for running requests
-    max_frame_bytes: int = 4 * 1024 * 1024
     metrics_port: int | None = None  # Prometheus text and /health over HTTP; None: off
     metrics_host: str = "127.0.0.1"
     debug_faults: bool = False  # accept InjectFault on the control socket (tests only)
@@ -99,6 +102,7 @@ class DaemonConfig:
     null: NullSettings = NullSettings()
     scheduler: dict[str, Any] = field(default_factory=dict)
     auth: AuthSettings = AuthSettings()
+    limits: Limits = Limits()
 
     @property
     def control_address(self) -> str:
@@ -106,7 +110,7 @@ class DaemonConfig:
 
 
 _SECTIONS = {"stream": StreamConfig, "worker": WorkerSpec, "null": NullSettings,
-             "auth": AuthSettings}
+             "auth": AuthSettings, "limits": Limits}
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> DaemonConfig:

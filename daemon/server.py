@@ -96,8 +96,8 @@ class Daemon:
                                  max_model_len=max_model_len)
 
             self.tokenizer = Tokenizer(tokenizer, scheduler=scheduler_inbox)
-            codec = Codec(m.SERVER_MESSAGES, max_frame_bytes=cfg.max_frame_bytes)
-            client_codec = Codec(m.CLIENT_MESSAGES, max_frame_bytes=cfg.max_frame_bytes)
+            codec = Codec(m.SERVER_MESSAGES, max_frame_bytes=cfg.limits.max_frame_bytes)
+            client_codec = Codec(m.CLIENT_MESSAGES, max_frame_bytes=cfg.limits.max_frame_bytes)
             gateway_inbox = Inbox("gateway")
             self.scheduler = SchedulerActor(make_core, tokenizer=self.tokenizer.inbox,
                                             executor=self.executor.inbox, inbox=scheduler_inbox,

@@ -1,0 +1,67 @@
+"""The daemon's intake limits: everything a client can make the daemon hold has one.
+
+One frozen table, read from the config's `[limits]` section, handed to every actor that
+admits something (gateway, stream, tokenizer, scheduler). Each limit is checked before the
+work it guards is done; a peer that can still be answered gets `Rejected(code, field)`
+naming the limit. Nothing here enforces anything: it only says how much.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+
+# file descriptors a connection costs: none of its own on a ROUTER, but each Stream actor has
+# an inproc inbox (two sockets, and libzmq's mailbox/signaler fds behind each)
+_FDS_PER_CONNECTION = 4
+
+
+@dataclass(frozen=True)
+class Limits:
+    # bytes of one client frame; ZeroMQ's MAXMSGSIZE drops a larger frame's peer unread
+    max_frame_bytes: int = 4 * 1024 * 1024
+    # live connections (Streams); None: derived from RLIMIT_NOFILE, `reserved_fds` kept spare
+    max_connections: int | None = None
+    reserved_fds: int = 256
+    # requests one connection may have open, those still tokenizing included
+    max_requests_per_connection: int = 256
+    # prompt bytes received but not yet tokenized, over the whole daemon
+    max_pending_prompt_bytes: int = 64 * 1024 * 1024
+    # characters of one prompt (text, or all chat messages' contents together)
+    max_prompt_chars: int = 1_000_000
+    max_messages: int = 1024  # chat messages in one request
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_request_id_chars: int = 128
+    max_tenant_chars: int = 64
+    max_credits: int = 4096  # larger grants are clamped to this
+    # client-chosen strings (ids, tenant names) are cut to this many characters in logs
+    log_string_chars: int = 64
+    # without CURVE, may a client name a tenant that neither the config nor an operator made?
+    open_tenants: bool = False
+    # queued requests of a tenant that has no max_queued of its own
+    default_tenant_max_queued: int = 1024
+    # frames the ROUTER buffers for one client before that client is a slow peer
+    peer_send_hwm: int = 1024
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if isinstance(value, bool) or value is None:
+                continue
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"limits.{name}: must be a non-negative integer, got {value!r}")
+
+    def connection_cap(self) -> int:
+        """Live connections allowed: the configured cap, or what the fd limit leaves room for."""
+        if self.max_connections is not None:
+            return self.max_connections
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 20
+        return max(1, (soft - self.reserved_fds) // _FDS_PER_CONNECTION)
+
+
+def clip(text: str, limits: Limits) -> str:
+    """A client-chosen string as it may appear in a log line."""
+    n = limits.log_string_chars
+    return text if len(text) <= n else text[:n] + "…"
