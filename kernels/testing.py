@@ -118,9 +118,10 @@ def random_paged_batch(shape: BatchShape, *, dtype: torch.dtype = torch.float32,
     for _ in range(2):
         if lazy_pool:
             cache = torch.empty(cache_shape, dtype=dtype, device=device)
-            # the reference gathers padding entries (-1, the last block) before masking them:
-            # keep that block finite, whatever the allocator left there
-            cache[-1] = 0
+            # the reference gathers padding entries (-1, clamped to block 0) before masking
+            # them: keep that block finite, whatever the allocator left there (a NaN there
+            # survives a zero attention weight)
+            cache[0] = 0
             used = tables[tables >= 0].long().to(device)
             cache[used] = torch.randn((len(used), *cache_shape[1:]), generator=generator
                                       ).to(device=device, dtype=dtype)
