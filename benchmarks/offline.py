@@ -1,14 +1,18 @@
-"""Offline throughput: sluice against transformers on one seeded workload, in one process.
+"""Offline throughput: sluice against transformers and llama.cpp on one seeded workload.
 
 Every system gets the same token ids, the same weights (the embedded SmolLM2 GGUF unless
-`--model` says otherwise), the same dtype and the same torch thread count; each is timed from
-its first submitted request to its last finished one, after a small warm-up, model loading
-excluded. Greedy, EOS ignored, per-request output lengths. The same run measures this
-machine's peak matmul rate and reports sluice's share of that roofline.
+`--model` says otherwise) and the same thread count; each is timed from its first submitted
+request to its last finished one, after a small warm-up, model loading excluded. `sluice`
+runs at the engine's default dtype, `sluice-fp32` in float32, transformers in `--dtype`
+(float32 unless told otherwise), llama.cpp on the GGUF's own quantized weights. Greedy by
+default, or sampled with `--temperature`/`--top-p` (seeded per request); EOS ignored;
+per-request output lengths. The same run measures this machine's peak matmul rate in every
+dtype a system used and reports each sluice system's share of its dtype's roofline.
 
     python benchmarks/offline.py [--requests N] [--seed S] [--dtype float32|bfloat16]
-                                 [--systems sluice,transformers-cb,...] [--threads N]
-                                 [--model PATH] [--json]
+                                 [--systems sluice,sluice-fp32,transformers-cb,...]
+                                 [--temperature T --top-p P] [--threads N]
+                                 [--llama-parallel N] [--model PATH] [--json]
 
 What the peers are, and what counts as useful output, is written next to each runner below.
 Correctness is not this file's business (the test suite checks greedy parity); it only
@@ -31,7 +35,9 @@ from pathlib import Path
 
 import torch
 
-SYSTEMS = ("sluice", "transformers-static-8", "transformers-static-32", "transformers-cb")
+SYSTEMS = ("sluice", "sluice-fp32", "transformers-static-8", "transformers-static-32",
+           "transformers-cb", "llama-cpp")
+SLUICE_SYSTEMS = ("sluice", "sluice-fp32")
 PROMPT_MIN, PROMPT_MAX = 16, 512
 OUTPUT_MIN, OUTPUT_MAX = 16, 128
 # log-normal prompt lengths; with the default seed 64 requests come to about 11k prompt tokens
@@ -47,14 +53,15 @@ class Workload:
 
     def summary(self, seed: int, dtype: str, threads: int, corpus_tokens: int) -> dict:
         return {
-            "requests": len(self.prompts), "seed": seed, "dtype": dtype, "threads": threads,
+            "requests": len(self.prompts), "seed": seed, "transformers_dtype": dtype,
+            "threads": threads,
             "prompt_tokens": sum(map(len, self.prompts)), "output_tokens": sum(self.output_lens),
             "prompt_len_range": [PROMPT_MIN, PROMPT_MAX],
             "output_len_range": [OUTPUT_MIN, OUTPUT_MAX],
             "prompt_len_lognormal": {"mu": PROMPT_MU, "sigma": PROMPT_SIGMA},
             "corpus": f"docstrings of the Python {sys.version_info.major}."
                       f"{sys.version_info.minor} standard library, {corpus_tokens} tokens",
-            "greedy": True, "ignore_eos": True,
+            "ignore_eos": True,
         }
 
 
@@ -79,6 +86,34 @@ class Result:
         if self.error:
             row["error"] = self.error
         return row
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Greedy (temperature 0) or temperature/top-p sampling, seeded per request."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    base_seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def seed(self, request: int) -> int | None:
+        return None if self.greedy else self.base_seed * 100_003 + request
+
+    def transformers(self) -> dict:
+        if self.greedy:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": 0}
+
+    def summary(self) -> dict:
+        if self.greedy:
+            return {"greedy": True}
+        return {"greedy": False, "temperature": self.temperature, "top_p": self.top_p,
+                "seeded_per_request": True}
 
 
 def stdlib_corpus(limit: int = CORPUS_CHARS) -> str:
@@ -131,18 +166,19 @@ def peak_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> fl
     return 2.0 * n ** 3 / best
 
 
-def run_sluice(engine, workload: Workload) -> Result:
+def run_sluice(engine, workload: Workload, sampling: Sampling, system: str) -> Result:
     """Every request submitted up front, then `step()` until none is left: the engine's own
     continuous batching with its default scheduler settings and KV pool."""
     from sluice.actors.scheduler.plan import SamplingParams
 
-    def params(n: int) -> SamplingParams:
-        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    def params(n: int, seed: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=sampling.temperature,
+                              top_p=sampling.top_p, seed=seed, ignore_eos=True)
 
-    engine.generate([workload.prompts[0][:8]], params(2))  # warm-up
+    engine.generate([workload.prompts[0][:8]], params(2, 0))  # warm-up
     started = time.perf_counter()
-    ids = [engine.add_request(prompt_token_ids=p, sampling=params(n))
-           for p, n in zip(workload.prompts, workload.output_lens)]
+    ids = [engine.add_request(prompt_token_ids=p, sampling=params(n, sampling.seed(i)))
+           for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens))]
     produced: dict[str, list[int]] = {i: [] for i in ids}
     while engine.has_unfinished():
         for out in engine.step():
@@ -150,7 +186,8 @@ def run_sluice(engine, workload: Workload) -> Result:
                 produced[out.request_id].extend(out.new_token_ids)
     seconds = time.perf_counter() - started
     tokens = [produced[i] for i in ids]
-    return Result("sluice", sum(map(len, tokens)), seconds, tokens)
+    return Result(system, sum(map(len, tokens)), seconds, tokens,
+                  notes=f"{engine.runner.model.dtype} weights and KV".replace("torch.", ""))
 
 
 def load_transformers(model_path: Path, dtype: torch.dtype):
@@ -172,7 +209,8 @@ def load_transformers(model_path: Path, dtype: torch.dtype):
     return model.eval()
 
 
-def run_static(model, workload: Workload, batch_size: int, pad_id: int) -> Result:
+def run_static(model, workload: Workload, batch_size: int, pad_id: int,
+               sampling: Sampling) -> Result:
     """`generate` over static batches in arrival order, left padded with an attention mask.
     A batch runs for its longest request's output length; only each request's own length
     counts as useful output, the rest is the waste static batching pays."""
@@ -185,8 +223,8 @@ def run_static(model, workload: Workload, batch_size: int, pad_id: int) -> Resul
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
-        config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens,
-                                  eos_token_id=None, pad_token_id=pad_id)
+        config = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=None,
+                                  pad_token_id=pad_id, **sampling.transformers())
         with torch.inference_mode():
             out = model.generate(input_ids=input_ids, attention_mask=mask,
                                  generation_config=config)
@@ -197,6 +235,7 @@ def run_static(model, workload: Workload, batch_size: int, pad_id: int) -> Resul
         return generated
 
     generate([workload.prompts[0][:8]], 2)  # warm-up
+    torch.manual_seed(sampling.base_seed)
     tokens: list[list[int]] = []
     started = time.perf_counter()
     for first in range(0, len(workload.prompts), batch_size):
@@ -212,7 +251,8 @@ def run_static(model, workload: Workload, batch_size: int, pad_id: int) -> Resul
                   notes=f"{ran - useful} padded output tokens generated and not counted")
 
 
-def run_cb(model, workload: Workload, kv_bytes: int, token_budget: int) -> Result:
+def run_cb(model, workload: Workload, kv_bytes: int, token_budget: int,
+           sampling: Sampling) -> Result:
     """transformers' ContinuousBatchingManager: every request added up front with its own
     max_new_tokens, results collected until all are finished. Its KV cache gets the same
     bytes and its batches the same token budget as sluice's defaults; on the host its own
@@ -228,7 +268,9 @@ def run_cb(model, workload: Workload, kv_bytes: int, token_budget: int) -> Resul
     cb_config = ContinuousBatchingConfig(num_blocks=max(2, kv_bytes // block_bytes),
                                          max_batch_tokens=token_budget,
                                          auto_switch_to_flash=False)
-    gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=OUTPUT_MAX)
+    gen_config = GenerationConfig(eos_token_id=-1, max_new_tokens=OUTPUT_MAX,
+                                  **sampling.transformers())
+    torch.manual_seed(sampling.base_seed)
     manager = model.init_continuous_batching(generation_config=gen_config,
                                              continuous_batching_config=cb_config)
     manager.start()
@@ -283,7 +325,7 @@ def sluice_roofline(config, workload: Workload, result: Result, peak: float) -> 
         "peak_flops_per_s": peak, "output_tokens_per_s_at_roofline": at_roofline,
     }
     if result.tokens_per_s is not None:
-        row["sluice_share"] = result.tokens_per_s / at_roofline
+        row["share"] = result.tokens_per_s / at_roofline
     return row
 
 
@@ -291,7 +333,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="transformers' dtype (sluice runs its default, sluice-fp32 float32)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy; else every system samples, seeded per request")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--llama-parallel", type=int, default=16,
+                        help="llama.cpp's parallel sequences (its server's -np)")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help="comma-separated subset of " + ", ".join(SYSTEMS))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -310,6 +358,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--requests must be >= 1")
     if args.threads < 1:
         parser.error("--threads must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        parser.error("--temperature must be >= 0 and --top-p in (0, 1]")
     return args
 
 
@@ -341,23 +391,36 @@ def main(argv: list[str] | None = None) -> int:
     log(f"workload: {summary['requests']} requests, seed {args.seed}, "
         f"{summary['prompt_tokens']} prompt + {summary['output_tokens']} output tokens, "
         f"{args.dtype}, torch threads {threads}")
-    peak = peak_matmul_flops(dtype)
-    log(f"peak matmul ({args.dtype}, 2048x2048 torch.mm, best of 5): {peak / 1e9:.1f} GFLOP/s")
+    sampling = Sampling(args.temperature, args.top_p, args.seed)
+    summary.update(sampling.summary())
+    peaks: dict[str, float] = {}
+
+    def peak(dtype_name: str) -> float:
+        if dtype_name not in peaks:
+            peaks[dtype_name] = peak_matmul_flops(DTYPES[dtype_name])
+            log(f"peak matmul ({dtype_name}, 2048x2048 torch.mm, best of 5): "
+                f"{peaks[dtype_name] / 1e9:.1f} GFLOP/s")
+        return peaks[dtype_name]
 
     results: list[Result] = []
-    sluice_config = None
-    if "sluice" in args.systems:
+    rooflines: dict[str, dict] = {}
+    for system in (s for s in args.systems if s in SLUICE_SYSTEMS):
         try:
             from sluice.actors.engine import Engine
 
-            engine = Engine(model=args.model, dtype=args.dtype)
-            sluice_config = engine.runner.config
-            results.append(run_sluice(engine, workload))
+            engine = (Engine(model=args.model) if system == "sluice"
+                      else Engine(model=args.model, dtype="float32"))
+            dtype_name = str(engine.runner.model.dtype).removeprefix("torch.")
+            result = run_sluice(engine, workload, sampling, system)
+            results.append(result)
+            if dtype_name in DTYPES:
+                rooflines[system] = {"dtype": dtype_name, **sluice_roofline(
+                    engine.runner.config, workload, result, peak(dtype_name))}
             del engine
         except Exception as exc:  # one broken system must not hide the others' numbers
-            results.append(Result("sluice", error=f"{type(exc).__name__}: {exc}"))
+            results.append(Result(system, error=f"{type(exc).__name__}: {exc}"))
         log(_line(results[-1]))
-    peers = [s for s in args.systems if s != "sluice"]
+    peers = [s for s in args.systems if s.startswith("transformers")]
     model, load_error = None, None
     if peers:
         try:
@@ -371,28 +434,67 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(load_error)
                 if system == "transformers-cb":
                     budget = int(SchedulerConfig().token_budget)
-                    results.append(run_cb(model, workload, DEFAULT_CPU_KV_BYTES, budget))
+                    results.append(run_cb(model, workload, DEFAULT_CPU_KV_BYTES, budget,
+                                          sampling))
                 else:
                     batch = int(system.rsplit("-", 1)[1])
-                    results.append(run_static(model, workload, batch, pad_id))
+                    results.append(run_static(model, workload, batch, pad_id, sampling))
+                results[-1].notes = f"{args.dtype}; {results[-1].notes}".rstrip("; ")
             except Exception as exc:
                 results.append(Result(system, error=f"{type(exc).__name__}: {exc}"))
             log(_line(results[-1]))
+        del model
+    if "llama-cpp" in args.systems:
+        results.append(run_llamacpp(model_path, workload, sampling, threads,
+                                    args.llama_parallel))
+        log(_line(results[-1]))
 
     report = {"workload": summary, "results": [r.row() for r in results]}
     ours = next((r for r in results if r.system == "sluice" and r.tokens_per_s), None)
+    if ours is None:
+        ours = next((r for r in results if r.system in SLUICE_SYSTEMS and r.tokens_per_s), None)
     if ours is not None:
-        report["ratios"] = {f"sluice/{r.system}": ours.tokens_per_s / r.tokens_per_s
+        report["ratios"] = {f"{ours.system}/{r.system}": ours.tokens_per_s / r.tokens_per_s
                             for r in results if r is not ours and r.tokens_per_s}
         report["same_tokens_as_sluice"] = {
             r.system: sum(a == b for a, b in zip(ours.tokens, r.tokens))
             for r in results if r is not ours and r.tokens}
-        report["roofline"] = sluice_roofline(sluice_config, workload, ours, peak)
+    if rooflines:
+        report["roofline"] = rooflines
+        report["peak_matmul_flops_per_s"] = peaks
     if args.json:
         print(json.dumps(report))
     else:
         print_table(report)
     return 0 if all(r.error is None for r in results) else 1
+
+
+def run_llamacpp(model_path: Path, workload: Workload, sampling: Sampling, threads: int,
+                 parallel: int) -> Result:
+    """llama.cpp through llama-cpp-python (the optional `bench` extra): see llamacpp.py."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from llamacpp import LlamaCppRunner, available
+
+    missing = available()
+    if missing:
+        return Result("llama-cpp", error=missing)
+    if model_path.is_dir():
+        return Result("llama-cpp", error="llama.cpp runs GGUF files; --model is a folder")
+    if not sampling.greedy:
+        return Result("llama-cpp", error="the llama.cpp runner samples greedily only")
+    runner = LlamaCppRunner(model_path, threads=threads, parallel=parallel)
+    try:
+        runner.run([workload.prompts[0][:8]], [2])  # warm-up
+        runner.decode_calls = runner.decoded_tokens = 0
+        seconds, tokens = runner.run(workload.prompts, workload.output_lens)
+        per_call = runner.decoded_tokens / max(1, runner.decode_calls)
+        info = runner.system_info()
+    finally:
+        runner.close()
+    return Result("llama-cpp", sum(map(len, tokens)), seconds, tokens,
+                  notes=f"GGUF weights as stored (4-bit for the embedded model); {parallel} "
+                        f"parallel sequences, {per_call:.1f} tokens per llama_decode; "
+                        f"system_info: {info}")
 
 
 def _line(result: Result) -> str:
@@ -412,7 +514,7 @@ def print_table(report: dict) -> None:
         if row.get("error"):
             print(f"{row['system']:<24}  error: {row['error']}")
             continue
-        ratio = ratios.get(f"sluice/{row['system']}")
+        ratio = next((v for k, v in ratios.items() if k.endswith(f"/{row['system']}")), None)
         agree = same.get(row["system"])
         print(f"{row['system']:<24}{row['output_tokens']:>11}{row['seconds']:>10.2f}"
               f"{row['output_tokens_per_s']:>10.1f}"
@@ -421,15 +523,14 @@ def print_table(report: dict) -> None:
     for row in report["results"]:
         if row.get("notes"):
             print(f"  {row['system']}: {row['notes']}")
-    roof = report.get("roofline")
-    if roof:
-        print(f"\nroofline: peak {roof['peak_flops_per_s'] / 1e9:.1f} GFLOP/s, "
+    for system, roof in report.get("roofline", {}).items():
+        print(f"\n{system} roofline ({roof['dtype']}): peak "
+              f"{roof['peak_flops_per_s'] / 1e9:.1f} GFLOP/s, "
               f"{roof['flops_per_output_token'] / 1e6:.0f} MFLOP per output token "
               f"(prompt share included) -> {roof['output_tokens_per_s_at_roofline']:.1f} "
               f"output tok/s at roofline")
-        if "sluice_share" in roof:
-            print(f"sluice reaches {100 * roof['sluice_share']:.1f}% of the roofline")
-        print(f"FLOP count: {roof['flop_count']}")
+        if "share" in roof:
+            print(f"{system} reaches {100 * roof['share']:.1f}% of its dtype's roofline")
 
 
 if __name__ == "__main__":
