@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.actors.scheduler.plan import InvalidParams, SamplingParams
-from sluice.actors.tokenizer import check_prompt_form, sampling_from_wire
+from sluice.actors.intake import check_prompt_form, sampling_from_wire
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
 
