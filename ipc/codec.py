@@ -153,7 +153,9 @@ class _Schema:
         prefix = f"{path}." if path else ""
         for key in body:
             if key not in self.checks:
-                raise _FieldError(f"{prefix}{key}", f"unknown field for {self.cls.__name__}")
+                # an empty key is named by its quotes: a bare "" would name no field at all
+                label = key if isinstance(key, str) and key else repr(key)
+                raise _FieldError(f"{prefix}{label}", f"unknown field for {self.cls.__name__}")
         for name in self.required:
             if name not in body:
                 raise _FieldError(f"{prefix}{name}", "missing required field")
