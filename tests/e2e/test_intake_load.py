@@ -144,3 +144,52 @@ class FailsOnBoom:
         if text == "boom":
             raise RuntimeError("injected tokenizer fault")
         return self._inner.encode(text)
+
+
+class FailsOnLongBoom(GatedTokenizer):
+    """The gated tokenizer, except that a long text starting with "boom" raises once let in."""
+
+    def encode(self, text: str) -> list[int]:
+        if text.startswith("boom"):
+            super().encode("")  # just count it in
+            self.gate.wait(timeout=60)
+            raise RuntimeError("injected tokenizer fault")
+        return super().encode(text)
+
+
+async def test_a_crash_while_tokenizing_a_long_prompt_fails_only_that_request(null_daemon) -> None:
+    handle = await null_daemon(**{"null.max_model_len": 32768})
+    daemon = handle.daemon
+    faulty = FailsOnLongBoom(daemon.tokenizer.tokenizer)
+    daemon.tokenizer.tokenizer = faulty
+    # one thread: the crash then surely finds long prompts still waiting for their turn
+    daemon.tokenizer.thread_slots.total_tokens = 1
+    results = {}
+
+    async def ask(client: AsyncClient, name: str, prompt: str) -> None:
+        results[name] = await (await client.generate(prompt, max_tokens=2)).collect()
+
+    try:
+        with trio.fail_after(60):
+            async with AsyncClient(handle.listen, credit_window=4) as client:
+                running = await client.generate("hi", max_tokens=200, temperature=0)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(ask, client, "boom", "boom" + BIG_PROMPT)
+                    while len(daemon.tokenizer.tokenizing) < 1:
+                        await trio.sleep(0.01)
+                    nursery.start_soon(ask, client, "fine-a", BIG_PROMPT)
+                    nursery.start_soon(ask, client, "fine-b", BIG_PROMPT)
+                    while len(daemon.tokenizer.tokenizing) < 3:
+                        await trio.sleep(0.01)
+                    faulty.gate.set()
+                assert results["boom"].finish_reason == "error"
+                assert "tokenizer failed" in results["boom"].error
+                # the prompts waiting behind it did nothing wrong: tokenized after the restart
+                for name in ("fine-a", "fine-b"):
+                    assert results[name].finish_reason == "length"
+                    assert results[name].usage.prompt_tokens > 1000
+                assert (await running.collect()).finish_reason == "length"
+                assert daemon.supervisor.restarts["tokenizer"] == 1
+                assert daemon.tokenizer.pending_prompt_bytes == 0
+    finally:
+        faulty.gate.set()
