@@ -6,8 +6,9 @@ order: the frame size limit, that the bytes are msgpack, the protocol major vers
 (against the set of messages the receiver accepts), and then every field's type, naming the
 offending field (dotted for nested values). Decoding never raises anything but `CodecError`.
 
-Range checks that need domain knowledge (a top_p of 7) are not made here; the daemon makes
-them when it turns a wire `Sampling` into the scheduler's parameters.
+Range checks that need domain knowledge (a top_p of 7) or the daemon's limits (a prompt of a
+million characters) are not made here; the daemon makes them where a request enters it
+(`sluice.actors.intake`).
 """
 
 from __future__ import annotations
