@@ -90,6 +90,7 @@ class Tokenizer(Actor):
 
     def reset(self) -> None:
         self.in_hand: m.Encode | None = None  # the request being tokenized, for on_crash
+        self.failed_long: m.Encode | None = None  # the long prompt whose tokenizing raised
         self.culprit: str | None = None  # the request whose output is being rendered
         self.deliveries: dict[str, list] = {}  # stream address -> messages
         self.unhandled: list = []
@@ -157,7 +158,9 @@ class Tokenizer(Actor):
             self._reject_invalid(msg, exc)
         except Exception:
             self._finish_long(msg, size)
-            self.in_hand = msg  # on_crash fails this request; the others are carried over
+            # on_crash fails this request and carries the others over; not `in_hand`, which
+            # the loop may still reset while handling a message before it is cancelled
+            self.failed_long = msg
             raise
         else:
             self._finish_long(msg, size)
@@ -289,7 +292,7 @@ class Tokenizer(Actor):
 
     async def on_crash(self, exc: BaseException) -> None:
         why = f"tokenizer failed: {type(exc).__name__}"
-        hand, self.in_hand = self.in_hand, None
+        hand, self.in_hand = self.failed_long or self.in_hand, None
         culprit = self.culprit or (hand.request_id if hand is not None else None)
         failed = self._end(culprit) if culprit else None
         if failed is not None:
