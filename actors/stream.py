@@ -19,6 +19,8 @@ import structlog
 import trio
 
 from sluice.actors.base import Actor, Handler, Outbox
+from sluice.actors.intake import check_generate
+from sluice.actors.limits import Limits
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
 
@@ -57,6 +59,7 @@ class Stream(Actor):
         gateway: Outbox,
         tokenizer: Outbox,
         scheduler: Outbox,
+        limits: Limits = Limits(),
     ):
         super().__init__(f"stream-{connection.hex()}")
         self.connection = connection
@@ -65,6 +68,7 @@ class Stream(Actor):
         self.gateway = gateway
         self.tokenizer = tokenizer
         self.scheduler = scheduler
+        self.limits = limits
         self.closed = False
 
     def reset(self) -> None:
@@ -97,6 +101,9 @@ class Stream(Actor):
         if msg.credits < 0:
             self._send(m.Rejected(msg.request_id, m.RejectCode.INVALID,
                                   "must be >= 0", "credits"))
+            return
+        if (refused := check_generate(msg, self.limits)) is not None:
+            self._send(refused)
             return
         daemon_id = f"{self.connection.hex()}/{msg.request_id}"
         self.requests[msg.request_id] = _Request(msg.request_id, daemon_id, msg.credits)

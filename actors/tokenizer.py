@@ -1,26 +1,33 @@
 """The Tokenizer actor: text in, token ids to the Scheduler; token ids out, safe text deltas.
 
-Inbound it validates what the codec could not (exactly one prompt form, sampling ranges,
-token ids inside the vocabulary), renders chat messages with the model's template and
-tokenizes, off the trio thread when the prompt is long. Outbound it keeps one incremental
+Inbound it runs the model-dependent checks of `intake` (exactly one prompt form, sampling
+ranges, token ids inside the vocabulary), renders chat messages with the model's template
+and tokenizes. A long prompt is tokenized on one of a few worker threads while the actor
+goes on rendering everyone's output; the bytes of the prompts handed to those threads and
+not yet done are counted, and past `limits.max_pending_prompt_bytes` a new long prompt gets
+`Rejected(overloaded)`. Outbound it keeps one incremental
 detokenizer per request, so a chunk never splits a UTF-8 character and a stop string is held
 back until it can no longer match and is never sent; a matched stop string ends the request.
 
 A crash fails the request whose message was being handled (it ends with `Error`); each
 other request's detokenizer belongs to that request, was not being touched, and is handed to
 the restarted actor, so those requests continue. Outputs of a step that were not handled yet
-when the crash happened are handled first by the new incarnation.
+when the crash happened, and long prompts whose tokenizing was cut off, are handled first by
+the new incarnation.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 import trio
 
 from sluice.actors.base import Actor, Handler, Inbox, Outboxes
+from sluice.actors.intake import check_prompt_form, sampling_from_wire
+from sluice.actors.limits import Limits, clip
 from sluice.actors.scheduler.plan import InvalidParams, SamplingParams
 from sluice.actors.text import IncrementalDetokenizer
 from sluice.ipc import messages as m
@@ -36,7 +43,22 @@ FINISH_REASONS = {
     "error": m.FinishReason.ERROR,
     "preempted_abort": m.FinishReason.PREEMPTED_ABORT,
 }
-LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized in a worker thread
+# Longer prompts are tokenized on a worker thread; shorter ones take less time than the
+# thread hand-off would.
+LONG_PROMPT_BYTES = 4096
+# Worker threads tokenizing at once. Each holds a core while it runs; the decode path (this
+# actor's own rendering, the scheduler, the streams) needs the rest. Prompts beyond these
+# wait, counted against `max_pending_prompt_bytes`.
+TOKENIZER_THREADS = 2
+
+
+def prompt_bytes(request: m.Generate) -> int:
+    """UTF-8 bytes of the text that must be tokenized (none for a token-id prompt)."""
+    if request.prompt is not None:
+        return len(request.prompt.encode())
+    if request.messages is not None:
+        return sum(len(c.role.encode()) + len(c.content.encode()) for c in request.messages)
+    return 0
 
 
 @dataclass
@@ -51,65 +73,40 @@ class _Detok:
     completion_tokens: int = 0
 
 
-def sampling_from_wire(wire: m.Sampling) -> SamplingParams:
-    """The scheduler's parameters from the client's; `InvalidParams` names a bad field."""
-    return SamplingParams(
-        max_tokens=wire.max_tokens,
-        temperature=wire.temperature,
-        top_p=wire.top_p,
-        top_k=wire.top_k,
-        min_p=wire.min_p,
-        seed=wire.seed,
-        stop=wire.stop,
-        stop_token_ids=wire.stop_token_ids,
-        ignore_eos=wire.ignore_eos,
-        repetition_penalty=wire.repetition_penalty,
-        presence_penalty=wire.presence_penalty,
-        frequency_penalty=wire.frequency_penalty,
-    )
-
-
-def check_prompt_form(msg: m.Generate, vocab_size: int) -> None:
-    """Exactly one of prompt, messages, prompt_ids; ids inside the vocabulary."""
-    given = [name for name in ("prompt", "messages", "prompt_ids") if getattr(msg, name) is not None]
-    if len(given) != 1:
-        raise InvalidParams("prompt", "give exactly one of prompt, messages, prompt_ids")
-    if msg.prompt is not None and not msg.prompt:
-        raise InvalidParams("prompt", "must not be empty")
-    if msg.messages is not None and not msg.messages:
-        raise InvalidParams("messages", "must not be empty")
-    if msg.prompt_ids is not None:
-        if not msg.prompt_ids:
-            raise InvalidParams("prompt_ids", "must not be empty")
-        for i, token in enumerate(msg.prompt_ids):
-            if not 0 <= token < vocab_size:
-                raise InvalidParams(f"prompt_ids[{i}]", f"token {token} is outside the vocabulary")
-    for seq_name in ("stop_token_ids",):
-        for i, token in enumerate(getattr(msg.sampling, seq_name)):
-            if not 0 <= token < vocab_size:
-                raise InvalidParams(f"sampling.{seq_name}[{i}]", "outside the vocabulary")
-
-
 class Tokenizer(Actor):
     name = "tokenizer"
 
-    def __init__(self, tokenizer, *, scheduler: Inbox):
+    def __init__(self, tokenizer, *, scheduler: Inbox, limits: Limits = Limits()):
         super().__init__()
         self.tokenizer = tokenizer
         self.scheduler = scheduler
+        self.limits = limits
         self.requests: dict[str, _Detok] = {}  # survives restarts (see the module docstring)
         self._carry: list = []  # outputs a crashed incarnation left unhandled
+        self._carry_encodes: list[m.Encode] = []  # long prompts it was still tokenizing
+        self.thread_slots = trio.CapacityLimiter(TOKENIZER_THREADS)
         self.streams = Outboxes()  # to the Stream actors of live requests
         self.stream_users: Counter[str] = Counter()  # live requests per stream address
 
     def reset(self) -> None:
         self.in_hand: m.Encode | None = None  # the request being tokenized, for on_crash
+        self.failed_long: m.Encode | None = None  # the long prompt whose tokenizing raised
         self.culprit: str | None = None  # the request whose output is being rendered
         self.deliveries: dict[str, list] = {}  # stream address -> messages
         self.unhandled: list = []
+        # long prompts handed to worker threads: not yet admitted, their bytes still held
+        self.tokenizing: dict[str, m.Encode] = {}
+        self.pending_prompt_bytes = 0
         carry, self._carry = self._carry, []
         if carry:
             self._render_all(carry, trio.current_time())
+
+    async def background(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        encodes, self._carry_encodes = self._carry_encodes, []
+        for msg in encodes:  # already checked once; only their tokenizing starts over
+            self._start_long(msg, sampling_from_wire(msg.generate.sampling),
+                             prompt_bytes(msg.generate))
 
     def close(self) -> None:
         super().close()
@@ -129,40 +126,81 @@ class Tokenizer(Actor):
         try:
             check_prompt_form(request, self.tokenizer.vocab_size)
             sampling = sampling_from_wire(request.sampling)
-            prompt_ids = await self._tokenize(request)
-            if not prompt_ids:
-                raise InvalidParams("prompt", "tokenizes to nothing")
+            size = prompt_bytes(request)
+            if size > LONG_PROMPT_BYTES:
+                self._start_long(msg, sampling, size)
+            else:
+                self._admit(msg, sampling, self._work(request)())
         except InvalidParams as exc:
-            field = exc.field if exc.field.startswith(("prompt", "messages", "sampling")) else (
-                f"sampling.{exc.field}"
-            )
+            self._reject_invalid(msg, exc)
+        self.in_hand = None
+
+    def _start_long(self, msg: m.Encode, sampling: SamplingParams, size: int) -> None:
+        """Tokenize on a worker thread while this actor goes on rendering everyone's output."""
+        limit = self.limits.max_pending_prompt_bytes
+        if self.pending_prompt_bytes + size > limit:
+            field = "prompt" if msg.generate.prompt is not None else "messages"
             self._deliver_one(msg.reply_to, m.Rejected(
-                request.request_id, m.RejectCode.INVALID, str(exc), field))
-            self.in_hand = None
+                msg.generate.request_id, m.RejectCode.OVERLOADED,
+                f"prompts waiting to be tokenized would exceed "
+                f"limits.max_pending_prompt_bytes = {limit}; retry later", field))
             return
+        self.pending_prompt_bytes += size
+        self.tokenizing[msg.request_id] = msg
+        self._nursery.start_soon(self._tokenize_long, msg, sampling, size)
+
+    async def _tokenize_long(self, msg: m.Encode, sampling: SamplingParams, size: int) -> None:
+        try:
+            prompt_ids = await trio.to_thread.run_sync(self._work(msg.generate),
+                                                       limiter=self.thread_slots)
+        except InvalidParams as exc:
+            self._finish_long(msg, size)
+            self._reject_invalid(msg, exc)
+        except Exception:
+            self._finish_long(msg, size)
+            # on_crash fails this request and carries the others over; not `in_hand`, which
+            # the loop may still reset while handling a message before it is cancelled
+            self.failed_long = msg
+            raise
+        else:
+            self._finish_long(msg, size)
+            try:
+                self._admit(msg, sampling, prompt_ids)
+            except InvalidParams as exc:
+                self._reject_invalid(msg, exc)
+        # a cancelled task (a crash elsewhere, or shutdown) leaves its entry in `tokenizing`
+
+    def _finish_long(self, msg: m.Encode, size: int) -> None:
+        self.tokenizing.pop(msg.request_id, None)
+        self.pending_prompt_bytes -= size
+
+    def _work(self, request: m.Generate) -> Callable[[], list[int]]:
+        if request.prompt_ids is not None:
+            return lambda: list(request.prompt_ids)
+        if request.messages is not None:
+            chat = [{"role": c.role, "content": c.content} for c in request.messages]
+            return lambda: self.tokenizer.encode_chat(chat)
+        return lambda: self.tokenizer.encode(request.prompt)
+
+    def _admit(self, msg: m.Encode, sampling: SamplingParams, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise InvalidParams("prompt", "tokenizes to nothing")
+        request = msg.generate
         self.requests[msg.request_id] = _Detok(
             request.request_id, msg.reply_to,
             IncrementalDetokenizer(self.tokenizer, stop=sampling.stop),
             msg.arrival, len(prompt_ids),
         )
         self.stream_users[msg.reply_to] += 1
-        self.in_hand = None
         self.scheduler.put(m.Admit(msg.request_id, msg.connection, tuple(prompt_ids), sampling,
                                    request.priority, request.tenant, msg.arrival))
 
-    async def _tokenize(self, request: m.Generate) -> list[int]:
-        if request.prompt_ids is not None:
-            return list(request.prompt_ids)
-        if request.messages is not None:
-            chat = [{"role": c.role, "content": c.content} for c in request.messages]
-            size = sum(len(c.content) for c in request.messages)
-            work = lambda: self.tokenizer.encode_chat(chat)  # noqa: E731
-        else:
-            size = len(request.prompt)
-            work = lambda: self.tokenizer.encode(request.prompt)  # noqa: E731
-        if size > LONG_PROMPT_CHARS:
-            return await trio.to_thread.run_sync(work)
-        return work()
+    def _reject_invalid(self, msg: m.Encode, exc: InvalidParams) -> None:
+        field = exc.field if exc.field.startswith(("prompt", "messages", "sampling")) else (
+            f"sampling.{exc.field}"
+        )
+        self._deliver_one(msg.reply_to, m.Rejected(
+            msg.generate.request_id, m.RejectCode.INVALID, str(exc), field))
 
     async def on_admitted(self, msg: m.Admitted) -> None:
         state = self.requests.get(msg.request_id)
@@ -254,7 +292,7 @@ class Tokenizer(Actor):
 
     async def on_crash(self, exc: BaseException) -> None:
         why = f"tokenizer failed: {type(exc).__name__}"
-        hand, self.in_hand = self.in_hand, None
+        hand, self.in_hand = self.failed_long or self.in_hand, None
         culprit = self.culprit or (hand.request_id if hand is not None else None)
         failed = self._end(culprit) if culprit else None
         if failed is not None:
@@ -269,4 +307,7 @@ class Tokenizer(Actor):
             ))
         self._deliver()
         self._carry = self.unhandled[1:]  # [0] is the output that crashed
-        log.error("tokenizer crashed", error=repr(exc), request=culprit)
+        # long prompts cut off mid-tokenizing did nothing wrong: the next incarnation redoes them
+        self._carry_encodes = list(self.tokenizing.values())
+        log.error("tokenizer crashed", error=repr(exc),
+                  request=clip(culprit, self.limits) if culprit else None)

@@ -95,7 +95,7 @@ class Daemon:
                 return Scheduler(core_config, eos_token_ids=tokenizer.eos_token_ids,
                                  max_model_len=max_model_len)
 
-            self.tokenizer = Tokenizer(tokenizer, scheduler=scheduler_inbox)
+            self.tokenizer = Tokenizer(tokenizer, scheduler=scheduler_inbox, limits=cfg.limits)
             codec = Codec(m.SERVER_MESSAGES, max_frame_bytes=cfg.limits.max_frame_bytes)
             client_codec = Codec(m.CLIENT_MESSAGES, max_frame_bytes=cfg.limits.max_frame_bytes)
             gateway_inbox = Inbox("gateway")
@@ -105,7 +105,8 @@ class Daemon:
 
             def make_stream(connection: bytes) -> Stream:
                 return Stream(connection, config=cfg.stream, codec=codec, gateway=gateway_inbox,
-                              tokenizer=self.tokenizer.inbox, scheduler=scheduler_inbox)
+                              tokenizer=self.tokenizer.inbox, scheduler=scheduler_inbox,
+                              limits=cfg.limits)
 
             model_name = "embedded:" + self.model_path.name if cfg.model is None else str(cfg.model)
             if cfg.executor == "null":

@@ -6,8 +6,9 @@ order: the frame size limit, that the bytes are msgpack, the protocol major vers
 (against the set of messages the receiver accepts), and then every field's type, naming the
 offending field (dotted for nested values). Decoding never raises anything but `CodecError`.
 
-Range checks that need domain knowledge (a top_p of 7) are not made here; the daemon makes
-them when it turns a wire `Sampling` into the scheduler's parameters.
+Range checks that need domain knowledge (a top_p of 7) or the daemon's limits (a prompt of a
+million characters) are not made here; the daemon makes them where a request enters it
+(`sluice.actors.intake`).
 """
 
 from __future__ import annotations
@@ -153,7 +154,9 @@ class _Schema:
         prefix = f"{path}." if path else ""
         for key in body:
             if key not in self.checks:
-                raise _FieldError(f"{prefix}{key}", f"unknown field for {self.cls.__name__}")
+                # an empty key is named by its quotes: a bare "" would name no field at all
+                label = key if isinstance(key, str) and key else repr(key)
+                raise _FieldError(f"{prefix}{label}", f"unknown field for {self.cls.__name__}")
         for name in self.required:
             if name not in body:
                 raise _FieldError(f"{prefix}{name}", "missing required field")

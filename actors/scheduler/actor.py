@@ -24,6 +24,7 @@ import structlog
 import trio
 
 from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
+from sluice.actors.limits import Limits, clip
 from sluice.actors.scheduler.latency import LatencyLog
 from sluice.actors.scheduler.operations import OperatorCommands
 from sluice.actors.scheduler import Rejected, Request, Scheduler
@@ -31,6 +32,7 @@ from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult
 from sluice.ipc import messages as m
 
 log = structlog.get_logger("sluice.scheduler")
+_LOG_LIMITS = Limits()  # request ids carry the client's own id: logged cut to the default width
 
 REJECT_CODES = {
     "invalid": m.RejectCode.INVALID,
@@ -213,7 +215,8 @@ class SchedulerActor(OperatorCommands, Actor):
         outputs = [self.core.abort(rid, reason="error") for rid in failed]
         outputs = [out for out in outputs if out is not None]
         for rid in failed:
-            log.error("request failed: its steps lost the worker", request_id=rid,
+            log.error("request failed: its steps lost the worker",
+                      request_id=clip(rid, _LOG_LIMITS),
                       losses=self.step_losses[rid])
         self._emit(outputs)
         return failed
@@ -317,6 +320,7 @@ class SchedulerActor(OperatorCommands, Actor):
 
 def _log_end(out: RequestOutput) -> None:
     """One line per ended request: ids, reason and lengths, never its text."""
-    log.info("request ended", request_id=out.request_id, reason=out.finish_reason,
+    log.info("request ended", request_id=clip(out.request_id, _LOG_LIMITS),
+             reason=out.finish_reason,
              prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
              preemptions=out.preemptions)

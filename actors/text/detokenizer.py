@@ -14,6 +14,10 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...] | list[str] = ()):
         self._backend = tokenizer.backend
         self._stop = tuple(s for s in stop if s)
+        self._by_first_char: dict[str, list[str]] = {}
+        for s in self._stop:
+            self._by_first_char.setdefault(s[0], []).append(s)
+        self._longest_partial = max((len(s) - 1 for s in self._stop), default=0)
         # the tokenizers library's own incremental decoder: it re-decodes a few tokens of
         # context so merges at the seam come out right, and holds back an unfinished UTF-8
         # sequence, in one native call per token
@@ -60,10 +64,12 @@ class IncrementalDetokenizer:
 
     def _partial_stop_suffix(self, buffer: str) -> int:
         """Length of the longest buffer suffix that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._stop:
-            for k in range(min(len(stop) - 1, len(buffer)), longest, -1):
-                if buffer.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
+        # Starts are tried earliest first (the first hit is the longest), and at each start
+        # only the stop strings that begin with its character: trying every length of every
+        # stop string cost ~40x the rest of detokenizing a token with sixteen long ones.
+        end = len(buffer)
+        for start in range(max(0, end - self._longest_partial), end):
+            for stop in self._by_first_char.get(buffer[start], ()):
+                if len(stop) > end - start and stop.startswith(buffer[start:]):
+                    return end - start
+        return 0

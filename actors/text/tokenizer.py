@@ -26,6 +26,11 @@ _QWEN2_SPLIT = (
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
            "qwen2": _QWEN2_SPLIT}
 _CONTROL = 3  # llama.cpp token type of special tokens such as <|im_end|>
+# The tokenizers library holds the GIL through `encode` but releases it in `encode_batch`:
+# a long text goes through the batch call, so that tokenizing it on a worker thread does not
+# stop the event loop (about half a second per megabyte here). Short texts take the cheaper
+# single call.
+_RELEASE_GIL_CHARS = 4096
 
 
 class Tokenizer:
@@ -43,7 +48,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise InvalidParams("prompt", "must be a string")
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = self._encode_ids(text)
         if self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
@@ -68,6 +73,11 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # the template writes any BOS itself; special tokens in it are matched whole
         text = self.apply_chat_template(messages)
+        return self._encode_ids(text)
+
+    def _encode_ids(self, text: str) -> list[int]:
+        if len(text) > _RELEASE_GIL_CHARS:
+            return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         return self.backend.encode(text, add_special_tokens=False).ids
 
 

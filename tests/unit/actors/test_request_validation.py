@@ -1,7 +1,8 @@
 """Everything a client can put in a Generate is either accepted or refused with the field named.
 
-This is the daemon's validation path without sockets: the codec, then the checks the
-Tokenizer actor makes before tokenizing. Hypothesis drives well over a thousand cases.
+This is the daemon's validation path without sockets: the codec, then the intake limits the
+Stream checks (small ones here, so that they are hit), then the checks the Tokenizer actor
+makes before tokenizing. Hypothesis drives well over a thousand cases.
 """
 
 from __future__ import annotations
@@ -11,12 +12,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.actors.scheduler.plan import InvalidParams, SamplingParams
-from sluice.actors.tokenizer import check_prompt_form, sampling_from_wire
+from sluice.actors.intake import check_generate, check_prompt_form, sampling_from_wire
+from sluice.actors.limits import Limits
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
 
 VOCAB = 1000
 codec = Codec(m.CLIENT_MESSAGES, max_frame_bytes=4096)
+LIMITS = Limits(max_request_id_chars=4, max_tenant_chars=len("default"), max_prompt_chars=15,
+                max_messages=1, max_stop_strings=2, max_stop_string_chars=2)
+
+
+class OverLimit(Exception):
+    def __init__(self, rejected: m.Rejected):
+        super().__init__(rejected.message)
+        self.rejected = rejected
 
 numbers = st.one_of(
     st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=True, allow_infinity=True),
@@ -46,7 +56,7 @@ bodies = st.fixed_dictionaries(
         ),
         "sampling": st.one_of(sampling_values, numbers),
         "priority": numbers,
-        "tenant": st.one_of(st.text(max_size=4), numbers),
+        "tenant": st.one_of(st.text(max_size=9), numbers),
         "credits": numbers,
     },
 )
@@ -54,6 +64,9 @@ bodies = st.fixed_dictionaries(
 
 def validate(frame: bytes) -> SamplingParams:
     msg = codec.decode(frame)
+    refused = check_generate(msg, LIMITS)
+    if refused is not None:
+        raise OverLimit(refused)
     check_prompt_form(msg, VOCAB)
     return sampling_from_wire(msg.sampling)
 
@@ -69,10 +82,23 @@ def test_generate_is_accepted_or_refused_with_a_named_field(body: dict, major: i
         if major != m.PROTOCOL_MAJOR:
             assert exc.code is m.RejectCode.PROTOCOL_VERSION
         return
+    except OverLimit as exc:
+        assert exc.rejected.field and "limits." in exc.rejected.message
+        assert exc.rejected.request_id == body["request_id"]
+        return
     except InvalidParams as exc:
         assert exc.field and str(exc)
         return
     assert major == m.PROTOCOL_MAJOR
+    assert len(body["request_id"]) <= LIMITS.max_request_id_chars
+    assert len(body.get("tenant", "")) <= LIMITS.max_tenant_chars
+    stops = body.get("sampling", {}).get("stop", [])
+    assert len(stops) <= LIMITS.max_stop_strings
+    assert all(len(stop) <= LIMITS.max_stop_string_chars for stop in stops)
+    if body.get("prompt") is not None:
+        assert len(body["prompt"]) <= LIMITS.max_prompt_chars
+    if body.get("messages") is not None:
+        assert len(body["messages"]) <= LIMITS.max_messages
     assert sampling.max_tokens >= 1 and 0 < sampling.top_p <= 1 and sampling.temperature >= 0
     given_forms = [k for k in ("prompt", "prompt_ids", "messages") if body.get(k) is not None]
     assert len(given_forms) == 1

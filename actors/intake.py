@@ -1,0 +1,105 @@
+"""Range checks of a client's `Generate`: the one place a request's values are judged.
+
+The codec has already checked every type; what is left is here, in two parts, each called
+once where the request enters the actor that can make it:
+
+- `check_generate` compares a request with the intake `Limits` (lengths of its id, tenant
+  name, prompt and stop strings; counts of chat messages and stop strings) and answers with
+  the `Rejected` the client should get, naming the offending field, or `None`. The Stream
+  calls it before anything is held for the request.
+- `check_prompt_form` and `sampling_from_wire` need the model (its vocabulary) and raise
+  `InvalidParams` naming the field; the Tokenizer calls them before tokenizing.
+
+Checks that need the daemon's state (prompt bytes waiting to be tokenized, queues, tenants,
+the model's context) belong to the actors that own that state, not here.
+"""
+
+from __future__ import annotations
+
+from sluice.actors.limits import Limits
+from sluice.actors.scheduler.plan import InvalidParams, SamplingParams
+from sluice.ipc import messages as m
+
+
+def _refuse(msg: m.Generate, code: m.RejectCode, field: str, what: str, limit_name: str,
+            limit: int) -> m.Rejected:
+    return m.Rejected(msg.request_id, code, f"{what} exceeds limits.{limit_name} = {limit}", field)
+
+
+def prompt_chars(msg: m.Generate) -> int:
+    """Characters of a text prompt, or of all chat messages together (roles and contents)."""
+    if msg.prompt is not None:
+        return len(msg.prompt)
+    if msg.messages is not None:
+        # roles count too: the template renders them into the prompt, so a role must not
+        # carry what the limit keeps out of the contents
+        return sum(len(message.role) + len(message.content) for message in msg.messages)
+    return 0
+
+
+def check_generate(msg: m.Generate, limits: Limits) -> m.Rejected | None:
+    """The rejection for the first limit `msg` is over, or None when it is within all."""
+    invalid = m.RejectCode.INVALID
+    if len(msg.request_id) > limits.max_request_id_chars:
+        return _refuse(msg, invalid, "request_id", f"{len(msg.request_id)} characters",
+                       "max_request_id_chars", limits.max_request_id_chars)
+    if len(msg.tenant) > limits.max_tenant_chars:
+        return _refuse(msg, invalid, "tenant", f"{len(msg.tenant)} characters",
+                       "max_tenant_chars", limits.max_tenant_chars)
+    if msg.messages is not None and len(msg.messages) > limits.max_messages:
+        return _refuse(msg, invalid, "messages", f"{len(msg.messages)} messages",
+                       "max_messages", limits.max_messages)
+    chars = prompt_chars(msg)
+    if chars > limits.max_prompt_chars:
+        # too long rather than invalid: the same request with a shorter prompt is fine
+        field = "prompt" if msg.prompt is not None else "messages"
+        return _refuse(msg, m.RejectCode.TOO_LONG, field, f"{chars} prompt characters",
+                       "max_prompt_chars", limits.max_prompt_chars)
+    stops = msg.sampling.stop
+    if len(stops) > limits.max_stop_strings:
+        return _refuse(msg, invalid, "sampling.stop", f"{len(stops)} stop strings",
+                       "max_stop_strings", limits.max_stop_strings)
+    for i, stop in enumerate(stops):
+        if len(stop) > limits.max_stop_string_chars:
+            return _refuse(msg, invalid, f"sampling.stop[{i}]", f"{len(stop)} characters",
+                           "max_stop_string_chars", limits.max_stop_string_chars)
+    return None
+
+
+def sampling_from_wire(wire: m.Sampling) -> SamplingParams:
+    """The scheduler's parameters from the client's; `InvalidParams` names a bad field."""
+    return SamplingParams(
+        max_tokens=wire.max_tokens,
+        temperature=wire.temperature,
+        top_p=wire.top_p,
+        top_k=wire.top_k,
+        min_p=wire.min_p,
+        seed=wire.seed,
+        stop=wire.stop,
+        stop_token_ids=wire.stop_token_ids,
+        ignore_eos=wire.ignore_eos,
+        repetition_penalty=wire.repetition_penalty,
+        presence_penalty=wire.presence_penalty,
+        frequency_penalty=wire.frequency_penalty,
+    )
+
+
+def check_prompt_form(msg: m.Generate, vocab_size: int) -> None:
+    """Exactly one of prompt, messages, prompt_ids; ids inside the vocabulary."""
+    given = [name for name in ("prompt", "messages", "prompt_ids") if getattr(msg, name) is not None]
+    if len(given) != 1:
+        raise InvalidParams("prompt", "give exactly one of prompt, messages, prompt_ids")
+    if msg.prompt is not None and not msg.prompt:
+        raise InvalidParams("prompt", "must not be empty")
+    if msg.messages is not None and not msg.messages:
+        raise InvalidParams("messages", "must not be empty")
+    if msg.prompt_ids is not None:
+        if not msg.prompt_ids:
+            raise InvalidParams("prompt_ids", "must not be empty")
+        for i, token in enumerate(msg.prompt_ids):
+            if not 0 <= token < vocab_size:
+                raise InvalidParams(f"prompt_ids[{i}]", f"token {token} is outside the vocabulary")
+    for seq_name in ("stop_token_ids",):
+        for i, token in enumerate(getattr(msg.sampling, seq_name)):
+            if not 0 <= token < vocab_size:
+                raise InvalidParams(f"sampling.{seq_name}[{i}]", "outside the vocabulary")
