@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import structlog
 import trio
 
-from sluice.actors.base import Actor, Handler, Outbox
+from sluice.actors.base import Actor, Handler, Outbox, Outboxes
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
 
@@ -66,6 +66,7 @@ class Stream(Actor):
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.closed = False
+        self.askers = Outboxes()  # drain's questions are answered here
 
     def reset(self) -> None:
         self.outgoing: list[list] = []  # messages of this message's handling, sent as one frame
@@ -81,7 +82,15 @@ class Stream(Actor):
             m.Deliver: self.on_deliver,
             m.ClientGone: self.on_client_gone,
             m.FailAll: self.on_fail_all,
+            m.Ask: self.on_ask,
         }
+
+    async def on_ask(self, msg: m.Ask) -> None:
+        """Drain asks (`Holding`) until no request waits here for its Finished to be sent."""
+        self.askers.put(msg.reply_to, m.Reply(msg.token, m.Held(len(self.requests))))
+
+    def teardown(self) -> None:
+        self.askers.close()
 
     async def background(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._timers)
