@@ -139,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sluiced: {group.exceptions[0]}; exiting", file=sys.stderr)
         code = EXIT_ESCALATED
     except* WorkerStartFailed as group:
-        print(f"sluiced: {group.exceptions[0]}; exiting", file=sys.stderr)
+        failed = group.exceptions[0]
+        while isinstance(failed, BaseExceptionGroup):  # nurseries nest their groups
+            failed = failed.exceptions[0]
+        print(f"sluiced: {failed}; exiting", file=sys.stderr)
         code = EXIT_WORKER
     return code
 

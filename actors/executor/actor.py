@@ -39,6 +39,13 @@ from sluice.ipc.sockets import Socket
 log = structlog.get_logger("sluice.executor")
 
 
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The first exception inside (nested) exception groups: the one worth a log line."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
 class WorkerStartError(Exception):
     """A worker would not start or failed its health check too many times in a row."""
 
@@ -159,7 +166,8 @@ class Executor(Actor):
                     reason = f"worker exited with {self.process.returncode}"
                     nursery.cancel_scope.cancel()
             except* (trio.TooSlowError, WorkerStartError, zmq.ZMQError, OSError) as group:
-                reason = f"worker failed: {group.exceptions[0]!r}"
+                cause = _first_leaf(group)
+                reason = f"worker failed: {type(cause).__name__}: {cause}"
             finally:
                 await self._stop_process()
             log.warning("worker lost", reason=reason, restarts=self.restarts)
