@@ -173,13 +173,13 @@ class SchedulerActor(OperatorCommands, Actor):
         outputs = []
         for rid in msg.request_ids:
             out = self.core.abort(rid, reason=REASON_NAMES[msg.reason])
-            if out is None and rid not in self.core.recently_ended:
+            if out is not None:
+                outputs.append(out)
+            elif rid not in self.core.recently_ended:
                 # released before it was admitted (still tokenizing): remember to refuse its
                 # Admit. An id that already ended is not tombstoned: that Release crossed the
                 # Finished, and a tombstone would cancel a later request reusing the id.
                 self._tombstone(rid)
-            else:
-                outputs.append(out)
         self._emit(outputs)
         self._maybe_step()
 
