@@ -139,6 +139,8 @@ class Executor(Actor):
     async def _keep_worker(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         backoff = self.spec.backoff_initial
         first = True
+        if self.state == "ready":  # this actor crashed and restarts: that worker is gone
+            self.state = "restarting"
         while True:
             self._retry_now = trio.Event()
             healthy = False
