@@ -21,7 +21,7 @@ Steps wait while the actors downstream (tokenizer, gateway) hold more than
 is what keeps a daemon that produces tokens faster than it can send them from queueing
 without bound; the decode loop slows to the speed of delivery instead.
 
-It also answers status queries: the numbers `sluice status` prints.
+Status queries and operator commands are answered by `operations.py`.
 """
 
 from __future__ import annotations
@@ -333,39 +333,6 @@ class SchedulerActor(OperatorCommands, Actor):
 
     async def on_drain(self, msg: m.Drain) -> None:
         self.draining = True
-
-    async def on_ask(self, msg: m.Ask) -> None:
-        if isinstance(msg.query, m.Subscribe):
-            answer = m.ControlSnapshot(0, self.report(), self.detail())
-        elif getattr(msg.query, "check_invariants", False):
-            self.between_steps_do(lambda: self.askers.put(
-                msg.reply_to, m.Reply(msg.token, m.Snapshot(self.report(check=True)))))
-            return
-        else:
-            answer = m.Snapshot(self.report())
-        self.askers.put(msg.reply_to, m.Reply(msg.token, answer))
-
-    def report(self, *, check: bool = False) -> m.StatusReport:
-        core = self.core
-        bm = core.block_manager
-        errors: tuple[str, ...] = ()
-        if check:
-            try:
-                core.check_invariants()
-            except AssertionError as exc:
-                errors = (str(exc),)
-        waiting = len(core.requests) - len(core.running) - len(core.paused)
-        state = "draining" if self.draining else "serving"
-        return m.StatusReport(
-            state=state,
-            worker=m.WorkerStatus(self.worker_state, self.worker_restarts, self.worker_pid,
-                                  self.worker_failure),
-            kv=m.KVStatus(bm.num_total_blocks, bm.num_free_blocks, bm.num_used_blocks,
-                          bm.num_cached_blocks),
-            requests=m.RequestCounts(waiting, len(core.running), len(core.paused)),
-            counters=m.Counters(preemptions=core.num_preemptions, **self.counters),
-            invariant_errors=errors,
-        )
 
     def close(self) -> None:
         super().close()
