@@ -6,6 +6,9 @@ a `ControlSnapshot` every 250 ms until their subscription lapses. Operator comma
 resume, reconcile, recover, cancel, tenant set) are answered with a `CommandReply`; what the
 scheduler owns is done by the scheduler (`Operate`), the worker's restart by a hook the
 daemon provides. Fault injection exists only when the daemon was configured for it.
+
+`Questions` is how anything outside the actors (the Control actor, the daemon's drain,
+`/health` and `STATUS=`) learns an actor's state: ask by message, wait for the `Reply`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,49 @@ class ControlHooks:
     on_snapshot: list[Callable[[m.ControlSnapshot], None]] = field(default_factory=list)
 
 
+class Questions:
+    """Ask actors questions and wait for their `Reply`: one reply inbox, answers by token.
+
+    `take_replies` must run (in some nursery) for `ask` to get answers."""
+
+    def __init__(self, name: str):
+        self.replies = Inbox(name)
+        self._tokens = itertools.count(1)
+        self._answers: dict[int, list] = {}  # token -> [] until the answer is in it
+        self._answered: trio.Event | None = None
+
+    def _event(self) -> trio.Event:
+        if self._answered is None:
+            self._answered = trio.Event()
+        return self._answered
+
+    async def take_replies(self) -> None:
+        while True:
+            reply = await self.replies.get()
+            waiting = self._answers.get(reply.token)
+            if waiting is not None:  # else the question timed out, or predates a restart
+                waiting.append(reply.message)
+                self._event().set()
+                self._answered = trio.Event()
+
+    async def ask(self, actor: Outbox, question: Callable[[str, int], object],
+                  timeout: float = 10.0) -> object:
+        """Send `question(reply_address, token)` to an actor and wait for its answer."""
+        token = next(self._tokens)
+        answer = self._answers[token] = []
+        actor.put(question(self.replies.address, token))
+        try:
+            with trio.fail_after(timeout):
+                while not answer:
+                    await self._event().wait()
+        finally:
+            del self._answers[token]
+        return answer[0]
+
+    def close(self) -> None:
+        self.replies.close()
+
+
 class Control(Actor):
     name = "control"
 
@@ -55,9 +101,7 @@ class Control(Actor):
         self.scheduler = scheduler
         self.codec = Codec(m.CONTROL_REQUESTS)
         # answers of the scheduler and the gateway; a `Reply` names the question by token
-        self.replies = Inbox("control-replies")
-        self._tokens = itertools.count(1)
-        self._answers: dict[int, list] = {}  # token -> [] until the answer is in it
+        self.questions = Questions("control-replies")
 
     def reset(self) -> None:
         self.socket = Socket(zmq.ROUTER)
@@ -75,7 +119,7 @@ class Control(Actor):
 
     def close(self) -> None:
         super().close()
-        self.replies.close()
+        self.questions.close()
 
     def handlers(self) -> dict[type, Handler]:
         return {}
@@ -83,32 +127,12 @@ class Control(Actor):
     async def background(self, nursery: trio.Nursery) -> None:
         self._send_lock = trio.Lock()
         self._nursery = nursery
-        self._answered = trio.Event()
-        nursery.start_soon(self._take_replies)
+        nursery.start_soon(self.questions.take_replies)
         nursery.start_soon(self._serve)
         nursery.start_soon(self._publish)
 
-    async def _take_replies(self) -> None:
-        while True:
-            reply = await self.replies.get()
-            waiting = self._answers.get(reply.token)
-            if waiting is not None:  # else the question timed out, or predates a restart
-                waiting.append(reply.message)
-                self._answered.set()
-                self._answered = trio.Event()
-
     async def _ask(self, actor: Outbox, question: Callable[[str, int], object]) -> object:
-        """Send `question(reply_address, token)` to an actor and wait for its answer."""
-        token = next(self._tokens)
-        answer = self._answers[token] = []
-        actor.put(question(self.replies.address, token))
-        try:
-            with trio.fail_after(10):
-                while not answer:
-                    await self._answered.wait()
-        finally:
-            del self._answers[token]
-        return answer[0]
+        return await self.questions.ask(actor, question)
 
     async def connection_ids(self) -> frozenset[bytes] | None:
         """The live client connections, from the gateway (None without one)."""
@@ -213,7 +237,7 @@ class Control(Actor):
         if isinstance(command, m.InjectFault):
             if hooks.faults is None:
                 return m.CommandReply("fault", False, "fault injection is disabled")
-            if command.kind == "leak_block":
+            if command.kind in ("leak_block", "crash_scheduler"):  # done by the scheduler
                 return await self._operate(command)
             inject = hooks.faults.get(command.kind)
             if inject is None:

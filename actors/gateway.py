@@ -134,7 +134,8 @@ class Gateway(Actor):
 
     async def on_ask(self, msg: m.Ask) -> None:
         if isinstance(msg.query, m.ListConnections):
-            live = m.Connections(frozenset(self.streams))
+            live = m.Connections(frozenset(self.streams),
+                                 tuple(stream.inbox.address for stream in self.streams.values()))
             self.askers.put(msg.reply_to, m.Reply(msg.token, live))
 
     def vanish(self, connection: bytes) -> bool:

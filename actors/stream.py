@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import structlog
 import trio
 
-from sluice.actors.base import Actor, Handler, Outbox
+from sluice.actors.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.intake import check_generate
 from sluice.actors.limits import Limits
 from sluice.ipc import messages as m
@@ -70,6 +70,7 @@ class Stream(Actor):
         self.scheduler = scheduler
         self.limits = limits
         self.closed = False
+        self.askers = Outboxes()  # drain's questions are answered here
 
     def reset(self) -> None:
         self.outgoing: list[list] = []  # messages of this message's handling, sent as one frame
@@ -85,7 +86,15 @@ class Stream(Actor):
             m.Deliver: self.on_deliver,
             m.ClientGone: self.on_client_gone,
             m.FailAll: self.on_fail_all,
+            m.Ask: self.on_ask,
         }
+
+    async def on_ask(self, msg: m.Ask) -> None:
+        """Drain asks (`Holding`) until no request waits here for its Finished to be sent."""
+        self.askers.put(msg.reply_to, m.Reply(msg.token, m.Held(len(self.requests))))
+
+    def teardown(self) -> None:
+        self.askers.close()
 
     async def background(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._timers)

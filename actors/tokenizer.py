@@ -42,6 +42,10 @@ FINISH_REASONS = {
     "timeout": m.FinishReason.TIMEOUT,
     "error": m.FinishReason.ERROR,
     "preempted_abort": m.FinishReason.PREEMPTED_ABORT,
+    "worker_failed": m.FinishReason.ERROR,
+}
+ERROR_MESSAGES = {  # what the client's `Error` says, by the scheduler's finish reason
+    "worker_failed": "the worker failed: it could not be started; the daemon retries it",
 }
 # Longer prompts are tokenized on a worker thread; shorter ones take less time than the
 # thread hand-off would.
@@ -87,6 +91,7 @@ class Tokenizer(Actor):
         self.thread_slots = trio.CapacityLimiter(TOKENIZER_THREADS)
         self.streams = Outboxes()  # to the Stream actors of live requests
         self.stream_users: Counter[str] = Counter()  # live requests per stream address
+        self.askers = Outboxes()  # whoever asks how many requests are held (drain)
 
     def reset(self) -> None:
         self.in_hand: m.Encode | None = None  # the request being tokenized, for on_crash
@@ -111,6 +116,7 @@ class Tokenizer(Actor):
     def close(self) -> None:
         super().close()
         self.streams.close()
+        self.askers.close()
 
     def handlers(self) -> dict[type, Handler]:
         return {
@@ -118,7 +124,12 @@ class Tokenizer(Actor):
             m.Admitted: self.on_admitted,
             m.Refused: self.on_refused,
             m.StepOutputs: self.on_step_outputs,
+            m.Ask: self.on_ask,
         }
+
+    async def on_ask(self, msg: m.Ask) -> None:
+        """Drain asks until nothing is held: every Encode before the question is handled."""
+        self.askers.put(msg.reply_to, m.Reply(msg.token, m.Held(len(self.requests))))
 
     async def on_encode(self, msg: m.Encode) -> None:
         self.in_hand = msg
@@ -272,7 +283,8 @@ class Tokenizer(Actor):
                 if rest:
                     sent.append(m.Chunk(state.client_id, rest, ()))
             elif reason is m.FinishReason.ERROR:
-                sent.append(m.Error(state.client_id, "the request failed in the daemon"))
+                sent.append(m.Error(state.client_id, ERROR_MESSAGES.get(
+                    out.finish_reason, "the request failed in the daemon")))
             sent.append(self._finished(out, state, reason, now))
             self._end(out.request_id)
 

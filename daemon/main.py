@@ -2,8 +2,16 @@
 
 `sluiced serve` runs until SIGTERM or SIGINT, which drain it: no new admissions, running
 requests get `drain_deadline` seconds to finish, then exit 0. SIGHUP re-reads the config's
-tenants and limits. An actor that exhausts its restart budget takes the daemon down with exit
-code 70 so systemd restarts it whole. Once it serves, `sluiced ready listen=ADDR control=ADDR
+tenants and limits. Exit codes, for systemd's `Restart=` and `StartLimit*` to decide on:
+
+- 0: stopped by SIGTERM/SIGINT after draining.
+- 70 (`EXIT_ESCALATED`): an actor exhausted its restart budget; systemd restarts the daemon.
+- 75 (`EXIT_WORKER`): at boot, no worker passed its health check in `[worker]
+  max_failed_starts` tries (bad weights, no device, out of memory); a restart may succeed
+  later, and `StartLimitBurst=` bounds how often systemd tries. (At run time the same
+  failure does not exit: the daemon stays up with its worker `failed`, see the README.)
+- 78 (`EXIT_CONFIG`): the configuration is invalid; restarting cannot fix it.
+ Once it serves, `sluiced ready listen=ADDR control=ADDR
 [metrics=PORT]` goes to stdout, then the command to chat; systemd hears READY=1 (`notify.py`).
 """
 
@@ -21,8 +29,9 @@ import trio
 from sluice.daemon.logs import configure_logging
 from sluice.daemon.notify import keepalive, notify, reloading
 
-EXIT_ESCALATED = 70
-EXIT_CONFIG = 78
+EXIT_ESCALATED = 70  # EX_SOFTWARE
+EXIT_WORKER = 75  # EX_TEMPFAIL: the first worker never started
+EXIT_CONFIG = 78  # EX_CONFIG
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +93,7 @@ async def serve(config, config_path: str | None = None, overrides: dict | None =
             nursery.start_soon(keepalive, daemon.summary)
             async for signum in signals:
                 if signum == signal.SIGHUP:
-                    reload(daemon, config_path, overrides)
+                    await reload(daemon, config_path, overrides)
                     continue
                 notify("STOPPING=1\nSTATUS=draining")
                 finished = await daemon.drain()
@@ -94,7 +103,7 @@ async def serve(config, config_path: str | None = None, overrides: dict | None =
     return 0
 
 
-def reload(daemon, config_path: str | None, overrides: dict | None) -> None:
+async def reload(daemon, config_path: str | None, overrides: dict | None) -> None:
     """SIGHUP: re-read the config file and apply its tenants (weights and limits)."""
     from sluice.daemon.config import ConfigFileError, load_config
 
@@ -107,7 +116,7 @@ def reload(daemon, config_path: str | None, overrides: dict | None) -> None:
         log.error("reload failed; keeping the running config", error=str(exc))
     else:
         log.info("reloaded", tenants=names)
-    notify(f"READY=1\nSTATUS={daemon.summary()}")
+    notify(f"READY=1\nSTATUS={await daemon.summary()}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     from sluice.actors.supervisor import Escalation
     from sluice.daemon.config import ConfigFileError, load_config
+    from sluice.daemon.server import WorkerStartFailed
 
     try:
         overrides = _overrides(args)
@@ -128,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     except* Escalation as group:
         print(f"sluiced: {group.exceptions[0]}; exiting", file=sys.stderr)
         code = EXIT_ESCALATED
+    except* WorkerStartFailed as group:
+        failed = group.exceptions[0]
+        while isinstance(failed, BaseExceptionGroup):  # nurseries nest their groups
+            failed = failed.exceptions[0]
+        print(f"sluiced: {failed}; exiting", file=sys.stderr)
+        code = EXIT_WORKER
     return code
 
 

@@ -2,16 +2,18 @@
 
 Histograms are filled as things happen (the scheduler's `LatencyLog` observers: time to
 first token, inter-token latency, iteration time, prefill chunk and decode batch sizes);
-gauges and totals are read from the scheduler when scraped, so `sluice_kv_blocks` always
-equals what a snapshot taken at the same moment says. Names follow DESIGN §10.
+gauges and totals come from a snapshot the scheduler is asked for (by message) when scraped,
+so `sluice_kv_blocks` equals what a snapshot taken at the same moment says. Names follow
+DESIGN §10.
 
-`/health` answers 200 while serving with a ready worker, 503 while draining or while the
-worker is down. Nothing here binds a port unless `metrics_port` is configured.
+`/health` answers 200 while serving with a ready worker, 503 while draining, while the
+worker is down or `failed` (the body says which), or when the scheduler does not answer.
+Nothing here binds a port unless `metrics_port` is configured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import structlog
@@ -32,8 +34,9 @@ _REQUEST_LIMIT = 8192  # bytes of request line and headers we read before giving
 class Metrics:
     """The daemon's metric registry; `observe` is the scheduler's latency observer."""
 
-    def __init__(self, scheduler: Callable[[], Any]):
-        self.scheduler = scheduler  # () -> the SchedulerActor (it is replaced on restart)
+    def __init__(self, snapshot: Callable[[], Awaitable[Any]]):
+        self.snapshot = snapshot  # asks the scheduler for a ControlSnapshot
+        self.latest: Any = None  # the snapshot of the scrape being answered
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.ttft = Histogram("sluice_time_to_first_token_seconds",
@@ -51,7 +54,7 @@ class Metrics:
         self.decode_batch = Histogram("sluice_decode_batch_size",
                                       "Decoding sequences per iteration",
                                       buckets=_BATCH_BUCKETS, registry=r)
-        r.register(_SchedulerCollector(scheduler))
+        r.register(_SchedulerCollector(lambda: self.latest))
 
     def observe(self, kind: str, value: float, tenant: str) -> None:
         if kind == "ttft":
@@ -68,25 +71,35 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    async def refresh(self) -> bool:
+        """Ask for a fresh snapshot; False when the scheduler does not answer."""
+        try:
+            self.latest = await self.snapshot()
+        except trio.TooSlowError:
+            return False
+        return True
+
     def healthy(self) -> tuple[bool, str]:
-        report = self.scheduler().report()
+        report = self.latest.status
         if report.state != "serving":
             return False, report.state
         if report.worker.state != "ready":
-            return False, f"worker {report.worker.state}"
+            failure = f": {report.worker.failure}" if report.worker.failure else ""
+            return False, f"worker {report.worker.state}{failure}"
         return True, "serving"
 
 
 class _SchedulerCollector:
     """Gauges and totals read from the scheduler at scrape time."""
 
-    def __init__(self, scheduler: Callable[[], Any]):
-        self.scheduler = scheduler
+    def __init__(self, snapshot: Callable[[], Any]):
+        self.snapshot = snapshot
 
     def collect(self) -> Iterator[Any]:
-        actor = self.scheduler()
-        report = actor.report()
-        stats = actor.core.stats()
+        snapshot = self.snapshot()
+        if snapshot is None:
+            return
+        report, stats = snapshot.status, snapshot.detail
         kv = GaugeMetricFamily("sluice_kv_blocks", "KV cache blocks by state", labels=["state"])
         for state, value in (("free", report.kv.free_blocks), ("cached", report.kv.cached_blocks),
                              ("used", report.kv.used_blocks), ("total", report.kv.total_blocks)):
@@ -175,6 +188,9 @@ async def _answer(stream: trio.SocketStream, metrics: Metrics) -> None:
         await _respond(stream, 405, b"only GET\n")
         return
     path = parts[1].split(b"?", 1)[0]
+    if path in (b"/metrics", b"/health") and not await metrics.refresh():
+        await _respond(stream, 503, b"the scheduler does not answer\n")
+        return
     if path == b"/metrics":
         await _respond(stream, 200, metrics.render(), CONTENT_TYPE_LATEST)
     elif path == b"/health":

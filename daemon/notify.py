@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -52,8 +52,11 @@ def reloading() -> None:
     notify(f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
 
 
-async def keepalive(summary: Callable[[], str]) -> None:
-    """Ping the watchdog and publish `STATUS=summary()` until cancelled."""
+async def keepalive(summary: Callable[[], Awaitable[str]]) -> None:
+    """Ping the watchdog and publish `STATUS=await summary()` until cancelled.
+
+    The summary is asked of the actors by message; the watchdog ping goes out first, so a
+    scheduler that is slow to answer never costs the daemon its watchdog."""
     interval = watchdog_interval()
     if interval is None and not os.environ.get("NOTIFY_SOCKET"):
         return
@@ -64,6 +67,6 @@ async def keepalive(summary: Callable[[], str]) -> None:
             notify("WATCHDOG=1")
         now = trio.current_time()
         if now - last_status >= STATUS_EVERY:
-            notify(f"STATUS={summary()}")
+            notify(f"STATUS={await summary()}")
             last_status = now
         await trio.sleep(tick)

@@ -3,7 +3,13 @@
 The Executor starts first, because the pool it reports (blocks, block size, context) sizes
 the scheduler core; then the Scheduler, Tokenizer, Gateway and Control. Streams are started
 by the Gateway, one per connection. `Daemon.run` returns when the daemon was drained and
-stopped; an `Escalation` from the supervisor propagates (the process exits non-zero).
+stopped; an `Escalation` from the supervisor propagates (the process exits non-zero), and
+so does `WorkerStartFailed` when the first worker never passes its health check.
+
+The daemon learns the actors' state by asking (`Questions`): `STATUS=`, `/health` and the
+metrics come from the scheduler's snapshot, drain's idle check from the scheduler, the
+tokenizer and each stream. Only the boot reads the executor's facts (the pool sizes the
+scheduler core) and whether its first worker came up.
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ from typing import Any
 import structlog
 import trio
 
-from sluice.actors.base import Actor, Inbox
-from sluice.actors.control import Control, ControlHooks
+from sluice.actors.base import Actor, Inbox, Outbox
+from sluice.actors.control import Control, ControlHooks, Questions
 from sluice.actors.executor.actor import Executor
 from sluice.actors.executor.loader import resolve_model_path
 from sluice.actors.executor.null import NullExecutor
@@ -33,6 +39,10 @@ from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
 
 log = structlog.get_logger("sluice.daemon")
+
+
+class WorkerStartFailed(Exception):
+    """The first worker never passed its health check: the daemon cannot serve at all."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -53,6 +63,9 @@ class Daemon:
         self.gateway: Gateway | None = None
         self.control: Control | None = None
         self.metrics_port: int | None = None  # bound port of /metrics, when enabled
+        self.questions = Questions("daemon-replies")  # answers of the actors the daemon asks
+        self._scheduler_inbox: Inbox | None = None
+        self._stream_outboxes: dict[str, Outbox] = {}  # drain asks each stream
         # tenants the config file names, so a reload can reset those it no longer names
         self._file_tenants: set[str] = set()
 
@@ -66,11 +79,14 @@ class Daemon:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         tokenizer = await trio.to_thread.run_sync(_load_tokenizer, self.model_path)
-        scheduler_inbox = Inbox("scheduler")
+        scheduler_inbox = self._scheduler_inbox = Inbox("scheduler")
         try:
             await self._run(tokenizer, scheduler_inbox, task_status)
         finally:
             scheduler_inbox.close()
+            self.questions.close()
+            for outbox in self._stream_outboxes.values():
+                outbox.close()
             for actor in (self.executor, self.scheduler, self.tokenizer, self.gateway,
                           self.control):
                 if actor is not None:
@@ -81,10 +97,14 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.supervisor.run, [])
+            nursery.start_soon(self.questions.take_replies)
             self.executor, facts = self._make_executor(tokenizer, scheduler_inbox)
             await self.supervisor.start_child(self.executor)
             if facts is None:
                 facts = self.executor.facts
+                if facts is None:  # it serves once started, unless its first worker failed
+                    raise WorkerStartFailed(f"the worker could not be started: "
+                                            f"{self.executor.failure}")
             core_config = SchedulerConfig.from_dict(
                 {**cfg.scheduler, "kv_blocks": facts.num_blocks, "block_size": facts.block_size}
             )
@@ -134,16 +154,35 @@ class Daemon:
     async def _start_metrics(self, nursery: trio.Nursery) -> None:
         from sluice.daemon.metrics import Metrics, serve_metrics
 
-        metrics = Metrics(lambda: self.scheduler)
+        metrics = Metrics(self.snapshot)
         self.scheduler.latency.observers.append(metrics.observe)
         self.metrics_port = await nursery.start(serve_metrics, metrics, self.config.metrics_host,
                                                 self.config.metrics_port)
 
-    def summary(self) -> str:
+    async def status(self, *, check_invariants: bool = False,
+                     timeout: float = 10.0) -> m.StatusReport:
+        """The scheduler's status report, asked by message."""
+        snapshot = await self.questions.ask(self._scheduler_inbox, lambda address, token: m.Ask(
+            m.StatusQuery(check_invariants), address, token), timeout)
+        return snapshot.report
+
+    async def snapshot(self) -> m.ControlSnapshot:
+        """What the console sees (status and detail), asked by message; for the metrics."""
+        return await self.questions.ask(
+            self._scheduler_inbox, lambda address, token: m.Ask(m.Subscribe(), address, token),
+            5.0)  # inside the 10 s a metrics scrape may take
+
+    async def summary(self) -> str:
         """One line for systemd's STATUS=."""
-        report = self.scheduler.report()
+        try:
+            report = await self.status(timeout=2.0)  # the watchdog ping waits behind this
+        except trio.TooSlowError:
+            return "scheduler not answering"
         req = report.requests
-        return (f"{report.state}; worker {report.worker.state}; running {req.running}, "
+        worker = report.worker.state
+        if report.worker.failure:
+            worker += f" ({report.worker.failure[:120]})"
+        return (f"{report.state}; worker {worker}; running {req.running}, "
                 f"waiting {req.waiting}, paused {req.paused}; KV used {report.kv.used_blocks}/"
                 f"{report.kv.total_blocks}")
 
@@ -169,13 +208,12 @@ class Daemon:
         return ControlHooks(gateway=gateway_inbox, recover=self.recover, faults=faults)
 
     async def recover(self) -> str:
-        """Restart the worker: start a stopped one, or replace a running one."""
+        """Restart the worker: replace a serving one, retry a failed one now, or start the
+        executor again when it was stopped."""
         executor = self.executor
-        if isinstance(executor, Executor) and executor.running and executor.process is not None:
-            executor.kill_worker()  # the executor starts a fresh worker and re-verifies it
-            return "worker killed; a new one is starting"
         if executor.running:
-            await self._stop_worker()
+            executor.inbox.put(m.Recover())
+            return "worker restarting; it serves once it passes its health check"
         # a model worker takes a while to load and verify: do not hold the control socket
         self._nursery.start_soon(self.supervisor.start_child, executor)
         return "worker starting; it serves once it passes its health check"
@@ -218,16 +256,47 @@ class Daemon:
         self.scheduler.inbox.put(m.Drain(deadline))
         finished = True
         with trio.move_on_after(deadline) as scope:
-            while not self.scheduler.idle:
+            while not await self._idle():
                 await trio.sleep(0.05)
         if scope.cancelled_caught:
             finished = False
-            rids = tuple(self.scheduler.core.requests)
-            self.scheduler.inbox.put(m.Release(rids, m.FinishReason.CANCELLED))
-            await trio.sleep(0.2)
+            self._scheduler_inbox.put(m.Operate("release_all"))
+            with trio.move_on_after(2.0):  # cancelled requests' Finished need no credit
+                while not await self._idle():
+                    await trio.sleep(0.05)
         await trio.sleep(0.1)  # let the last Finished frames leave the gateway
         self.stopped.set()
         return finished
+
+    async def _idle(self) -> bool:
+        """No request is live anywhere: the scheduler, the tokenizer (tokenizing or waiting
+        for the scheduler's answer) and every stream (its Finished not yet sent) hold none.
+
+        A question that is not answered in time (an actor restarting, a stream going away
+        while asked) means "not known to be idle": the caller asks again."""
+        ask = self.questions.ask
+        try:
+            report = await self.status()
+            live = report.requests
+            if live.waiting or live.running or live.paused:
+                return False
+            held = await ask(self.tokenizer.inbox,
+                             lambda address, token: m.Ask(m.Holding(), address, token))
+            if held.requests:
+                return False
+            connections = await ask(self.gateway.inbox, lambda address, token: m.Ask(
+                m.ListConnections(), address, token))
+            for stream in connections.streams:
+                outbox = self._stream_outboxes.get(stream)
+                if outbox is None:
+                    outbox = self._stream_outboxes[stream] = Outbox(stream)
+                held = await ask(outbox, lambda address, token: m.Ask(
+                    m.Holding(), address, token), timeout=1.0)
+                if held.requests:
+                    return False
+        except trio.TooSlowError:
+            return False
+        return True
 
     def stop(self) -> None:
         self.stopped.set()

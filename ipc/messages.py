@@ -197,6 +197,8 @@ class WorkerStatus:
     state: str  # starting | ready | restarting | failed
     restarts: int = 0
     pid: int = 0  # the worker process, 0 when there is none (null executor)
+    # why the worker is `failed` (it could not start after its attempts); empty otherwise
+    failure: str = ""
 
 
 @dataclass(frozen=True)
@@ -315,7 +317,8 @@ class InjectFault:
     """Debug builds only (`debug_faults` in the config): break the daemon on purpose.
 
     Kinds: `leak_block` (a KV block referenced by no request), `vanish_stream` (drop one
-    connection's stream without telling anyone), `worker_down` (stop the worker).
+    connection's stream without telling anyone), `worker_down` (stop the worker),
+    `crash_scheduler` (the scheduler actor raises after answering; its supervisor restarts it).
     """
 
     TAG: ClassVar[int] = 42
@@ -397,10 +400,31 @@ class WorkerLost:
 
 @dataclass(frozen=True)
 class WorkerReady:
-    """Executor -> Scheduler: a (re)started worker passed its health check."""
+    """Executor -> Scheduler: a (re)started worker passed its health check (also the answer
+    to `AskWorker` while the worker serves)."""
 
     restarts: int
     pid: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """Executor -> Scheduler: no worker could be started in `attempts` tries in a row.
+
+    A state, not a crash: the executor keeps retrying on a long backoff (or at once on
+    `Recover`) and says `WorkerReady` when one passes its health check; until then requests
+    get an error saying the worker failed. Also the answer to `AskWorker` in that state."""
+
+    reason: str
+    attempts: int
+
+
+@dataclass(frozen=True)
+class AskWorker:
+    """Scheduler -> Executor: say the worker's state again (a restarted scheduler forgot it).
+
+    Answered with `WorkerReady` or `WorkerFailed`; while a worker is starting there is no
+    answer yet: the one that comes when it is decided serves."""
 
 
 @dataclass(frozen=True)
@@ -420,7 +444,19 @@ class Reconcile:
 
 @dataclass(frozen=True)
 class Recover:
-    pass
+    """Daemon -> Executor: restart the worker now (replace a serving one; retry a failed one
+    without waiting for its backoff)."""
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Asked of the Tokenizer inside an `Ask`: how many requests it holds (tokenizing,
+    waiting for the scheduler's decision, or streaming); the answer is `Held`."""
+
+
+@dataclass(frozen=True)
+class Held:
+    requests: int
 
 
 @dataclass(frozen=True)
@@ -514,6 +550,7 @@ class ListConnections:
 @dataclass(frozen=True)
 class Connections:
     ids: frozenset[bytes]
+    streams: tuple[str, ...] = ()  # their Stream actors' inboxes, for drain to ask (`Holding`)
 
 
 @dataclass(frozen=True)

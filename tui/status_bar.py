@@ -1,4 +1,5 @@
-"""The top line of the console: connection, daemon state, worker health, connections."""
+"""The top line of the console: connection, daemon state, worker health (with the reason
+when the worker `failed` to start), connections."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class StatusBar(Static):
             worker_style = "green" if worker.state == "ready" else "bold red"
             text.append("  worker ")
             text.append(worker.state, style=worker_style)
+            if worker.state == "failed":  # why, and what the operator can do about it
+                text.append(f" ({worker.failure[:80]}; w retries now)", style="bold red")
             text.append(f" (restarts {worker.restarts})  connections {status.connections}"
                         f"  {self.address}")
         self.plain = text.plain

@@ -6,6 +6,13 @@ then reports `WorkerReady`. When the process exits, or a step takes longer than
 `step_timeout`, or the worker reports an error, the process is killed and the Scheduler is
 told `WorkerLost`; a new worker is started with exponential backoff. Each worker gets its
 own ipc:// endpoint, so no late reply from a dead worker can be taken for a live one's.
+
+A worker that fails `max_failed_starts` starts in a row puts the executor in the `failed`
+state, which is a state and not a crash (a crash would let the supervisor restart the actor
+and forget the count): the Scheduler is told `WorkerFailed`, and the executor retries every
+`failed_retry_interval` seconds, or at once on `Recover`. At boot the daemon sees that the
+first worker never came (`facts` is None once `run` started) and exits with its own code.
+`AskWorker` (from a restarted Scheduler) is answered with the current state.
 """
 
 from __future__ import annotations
@@ -32,6 +39,13 @@ from sluice.ipc.sockets import Socket
 log = structlog.get_logger("sluice.executor")
 
 
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The first exception inside (nested) exception groups: the one worth a log line."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
 class WorkerStartError(Exception):
     """A worker would not start or failed its health check too many times in a row."""
 
@@ -48,11 +62,14 @@ class WorkerSpec:
     runtime_dir: str | None = None  # where the worker's ipc socket lives
     startup_timeout: float = 300.0  # seconds for weights + pool + health check
     step_timeout: float = 300.0  # a step running longer means a hung worker
-    max_failed_starts: int = 5
+    max_failed_starts: int = 5  # failed starts in a row that make the worker `failed`
     backoff_initial: float = 0.2
     backoff_max: float = 5.0
+    failed_retry_interval: float = 60.0  # seconds between retries in the `failed` state
     # a test fault: the worker fails every step that computes this token id
     debug_fail_token: int | None = None
+    # a test fault: a worker exits before it says hello while this file exists
+    debug_fail_start_if: str | None = None
 
 
 @dataclass(frozen=True)
@@ -74,17 +91,33 @@ class Executor(Actor):
         self.known_answer: int | None = None
         self.restarts = 0
         self.pid: int | None = None
-        self.state = "starting"
+        self.state = "starting"  # starting | ready | restarting | failed
+        # kept across restarts of this actor, so a crash cannot reset the count
+        self.failed_starts = 0
+        self.failure = ""  # the last failed start's reason
         self._serial = itertools.count()
         self._runtime = Path(spec.runtime_dir or tempfile.mkdtemp(prefix="sluice-worker-"))
 
     def reset(self) -> None:
+        self._retry_now = trio.Event()  # set by `Recover`: stop waiting before a retry
         self.sock: Socket | None = None
         self.process: trio.Process | None = None
         self.step_started: float | None = None
 
     def handlers(self) -> dict[type, Handler]:
-        return {StepPlan: self.on_plan}
+        return {StepPlan: self.on_plan, m.AskWorker: self.on_ask_worker, m.Recover: self.on_recover}
+
+    async def on_ask_worker(self, msg: m.AskWorker) -> None:
+        if self.state == "ready":
+            self.scheduler.put(m.WorkerReady(self.restarts, self.pid or 0))
+        elif self.state == "failed":
+            self.scheduler.put(m.WorkerFailed(self.failure, self.failed_starts))
+
+    async def on_recover(self, msg: m.Recover) -> None:
+        """Replace a serving worker; retry a failed or restarting one now."""
+        if self.state == "ready":
+            self.kill_worker()  # the loop starts a fresh worker and re-verifies it
+        self._retry_now.set()
 
     async def background(self, nursery: trio.Nursery) -> None:
         await nursery.start(self._keep_worker)
@@ -104,10 +137,12 @@ class Executor(Actor):
             self.process.kill()
 
     async def _keep_worker(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        failed_starts = 0
         backoff = self.spec.backoff_initial
         first = True
+        if self.state == "ready":  # this actor crashed and restarts: that worker is gone
+            self.state = "restarting"
         while True:
+            self._retry_now = trio.Event()
             healthy = False
             reason = "worker stopped"
             try:
@@ -118,9 +153,10 @@ class Executor(Actor):
                     self.process = await trio.lowlevel.open_process(self._command(endpoint))
                     self.pid = self.process.pid
                     with trio.fail_after(self.spec.startup_timeout):
-                        await self._handshake()
+                        await self._handshake_unless_exited()
                     healthy = True
-                    failed_starts, backoff = 0, self.spec.backoff_initial
+                    self.failed_starts, backoff = 0, self.spec.backoff_initial
+                    self.failure = ""
                     self.state = "ready"
                     self.scheduler.put(m.WorkerReady(self.restarts, self.pid or 0))
                     if first:
@@ -132,20 +168,34 @@ class Executor(Actor):
                     reason = f"worker exited with {self.process.returncode}"
                     nursery.cancel_scope.cancel()
             except* (trio.TooSlowError, WorkerStartError, zmq.ZMQError, OSError) as group:
-                reason = f"worker failed: {group.exceptions[0]!r}"
+                cause = _first_leaf(group)
+                reason = f"worker failed: {type(cause).__name__}: {cause}"
             finally:
                 await self._stop_process()
             log.warning("worker lost", reason=reason, restarts=self.restarts)
-            self.state = "restarting"
-            if healthy or not first:
+            wait = backoff
+            if healthy:
+                self.state = "restarting"
                 self.scheduler.put(m.WorkerLost(reason))
-            if not healthy:
-                failed_starts += 1
-                if failed_starts >= self.spec.max_failed_starts:
+            else:
+                self.failed_starts += 1
+                self.failure = reason
+                if self.failed_starts >= self.spec.max_failed_starts:
+                    if self.state != "failed":
+                        log.error("worker failed: no start succeeded", reason=reason,
+                                  attempts=self.failed_starts,
+                                  retry_in=self.spec.failed_retry_interval)
                     self.state = "failed"
-                    raise WorkerStartError(reason)
+                    self.scheduler.put(m.WorkerFailed(reason, self.failed_starts))
+                    wait = self.spec.failed_retry_interval
+                    if first:
+                        first = False
+                        task_status.started()  # with no facts: the daemon gives up booting
+                elif self.state != "failed":
+                    self.state = "restarting"
             self.restarts += 1
-            await trio.sleep(backoff)
+            with trio.move_on_after(wait):
+                await self._retry_now.wait()  # `Recover` cuts the wait short
             backoff = min(backoff * 2, self.spec.backoff_max)
 
     def _command(self, endpoint: str) -> list[str]:
@@ -162,7 +212,22 @@ class Executor(Actor):
             cmd += ["--threads", str(spec.threads)]
         if spec.debug_fail_token is not None:
             cmd += ["--debug-fail-token", str(spec.debug_fail_token)]
+        if spec.debug_fail_start_if is not None:
+            cmd += ["--debug-fail-start-if", spec.debug_fail_start_if]
         return cmd
+
+    async def _handshake_unless_exited(self) -> None:
+        """The handshake, cut short when the process dies first (it would never answer)."""
+        process = self.process
+
+        async def exited() -> None:
+            await process.wait()
+            raise WorkerStartError(f"worker exited with {process.returncode} before it was ready")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(exited)
+            await self._handshake()
+            nursery.cancel_scope.cancel()
 
     async def _handshake(self) -> None:
         hello = await self._receive()
@@ -208,7 +273,8 @@ class Executor(Actor):
                 return
 
     async def _stop_process(self) -> None:
-        self.state = "restarting"
+        if self.state == "ready":
+            self.state = "restarting"
         self.step_started = None
         if self.sock is not None:
             self.sock.close()

@@ -31,7 +31,16 @@ class NullExecutor(Actor):
         self.scheduler.put(m.WorkerReady(self.restarts))
 
     def handlers(self) -> dict[type, Handler]:
-        return {StepPlan: self.on_plan}
+        return {StepPlan: self.on_plan, m.AskWorker: self.on_ask_worker,
+                m.Recover: self.on_recover}
+
+    async def on_ask_worker(self, msg: m.AskWorker) -> None:
+        self.scheduler.put(m.WorkerReady(self.restarts))  # a fake worker is always ready
+
+    async def on_recover(self, msg: m.Recover) -> None:
+        """A fake worker has nothing to restart: count it and say it is ready again."""
+        self.restarts += 1
+        self.scheduler.put(m.WorkerReady(self.restarts))
 
     async def on_plan(self, plan: StepPlan) -> None:
         cycle = self.token_cycle

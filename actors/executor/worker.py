@@ -65,11 +65,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--debug-fail-token", type=int, default=None,
                         help="a test fault: fail every step that computes this token id")
+    parser.add_argument("--debug-fail-start-if", default=None, metavar="PATH",
+                        help="a test fault: exit before saying hello while PATH exists")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.debug_fail_start_if and os.path.exists(args.debug_fail_start_if):
+        print("sluice-worker: test fault: refusing to start", file=sys.stderr)
+        return 3
     import torch
     import zmq
 

@@ -7,17 +7,26 @@ iteration; pauses and resumes wait for the step in flight. `WorkerLost` voids th
 flight and sends every request holding KV back to the queue to recompute. A request that was
 in the lost step of `max_step_losses` workers ends with `error` instead: whatever in it kills
 the worker (a bug, a fault on one shape) must not hold the daemon in a restart loop.
+`WorkerFailed` (no worker could start) ends every request with an error saying so, and new
+requests are refused with that reason until a worker is ready again.
+
+A restart of this actor starts from an empty core and a new epoch: it asks the Executor for
+the worker's state (`AskWorker`) instead of trusting what the old incarnation knew, and the
+step ids it sends carry the epoch, so a late result of a plan of the old epoch is ignored.
+Reconcile and the consistency check of `status --check` wait for the gap between two steps:
+while a step is in flight its blocks are allocated for tokens not computed yet.
 
 Steps wait while the actors downstream (tokenizer, gateway) hold more than
 `downstream_limit` untaken messages: inboxes are unbounded (actors form cycles), so this
 is what keeps a daemon that produces tokens faster than it can send them from queueing
 without bound; the decode loop slows to the speed of delivery instead.
 
-It also answers status queries: the numbers `sluice status` prints.
+Status queries and operator commands are answered by `operations.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 import structlog
@@ -41,7 +50,9 @@ REJECT_CODES = {
     "overloaded": m.RejectCode.OVERLOADED,
 }
 REASON_NAMES = {reason: reason.name.lower() for reason in m.FinishReason}
+WORKER_FAILED = "worker_failed"  # finish reason of requests ended because no worker can start
 _TOMBSTONES = 4096  # released-before-admitted ids remembered, oldest forgotten first
+EPOCH_BITS = 32  # the step id sent to the executor: epoch << EPOCH_BITS | the core's step id
 
 
 class SchedulerActor(OperatorCommands, Actor):
@@ -68,21 +79,28 @@ class SchedulerActor(OperatorCommands, Actor):
         self.executor = executor
         self.initial_worker_ready = worker_ready
         self.counters = {"accepted": 0, "finished": 0, "cancelled": 0, "rejected": 0}
-        self.worker_state = "ready" if worker_ready else "starting"
-        self.worker_restarts = 0
-        self.worker_pid = 0
+        self.epoch = 0  # incarnations of this actor; part of every step id it sends
         self.draining = False
         self.latency = LatencyLog()
         self.askers = Outboxes()  # whoever sent Ask or Operate (the control actor)
 
     def reset(self) -> None:
+        self.epoch += 1
         self.core = self.make_core()
         self.in_flight: StepPlan | None = None
         self.deferred: list[m.Pause | m.Resume] = []
+        self.between_steps: list[Callable[[], None]] = []  # checks that wait for no step
         self.tombstones: OrderedDict[str, None] = OrderedDict()
         self.worker_ready = self.initial_worker_ready
+        self.worker_state = "ready" if self.worker_ready else "starting"
+        self.worker_restarts = 0
+        self.worker_pid = 0
+        self.worker_failure = ""
         self.waiting_for_room = False
         self.step_losses: Counter[str] = Counter()  # lost workers per request in their step
+        # the worker's state was known to the old incarnation only: ask again (the answer,
+        # WorkerReady or WorkerFailed, lands in the inbox like any announcement)
+        self.executor.put(m.AskWorker())
 
     def handlers(self) -> dict[type, Handler]:
         return {
@@ -94,6 +112,7 @@ class SchedulerActor(OperatorCommands, Actor):
             StepResult: self.on_step_result,
             m.WorkerLost: self.on_worker_lost,
             m.WorkerReady: self.on_worker_ready,
+            m.WorkerFailed: self.on_worker_failed,
             m.Drain: self.on_drain,
             m.Ask: self.on_ask,
             m.Operate: self.on_operate,
@@ -132,6 +151,11 @@ class SchedulerActor(OperatorCommands, Actor):
             self.tokenizer.put(m.Refused(msg.request_id, m.RejectCode.DRAINING,
                                          "the daemon is draining"))
             return
+        if self.worker_state == "failed":
+            self.counters["rejected"] += 1
+            self.tokenizer.put(m.Refused(msg.request_id, m.RejectCode.OVERLOADED,
+                                         worker_failed_message(self.worker_failure)))
+            return
         request = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
                           tenant=msg.tenant, priority=msg.priority)
         try:
@@ -151,10 +175,13 @@ class SchedulerActor(OperatorCommands, Actor):
         outputs = []
         for rid in msg.request_ids:
             out = self.core.abort(rid, reason=REASON_NAMES[msg.reason])
-            if out is None:
-                self._tombstone(rid)
-            else:
+            if out is not None:
                 outputs.append(out)
+            elif rid not in self.core.recently_ended:
+                # released before it was admitted (still tokenizing): remember to refuse its
+                # Admit. An id that already ended is not tombstoned: that Release crossed the
+                # Finished, and a tombstone would cancel a later request reusing the id.
+                self._tombstone(rid)
         self._emit(outputs)
         self._maybe_step()
 
@@ -181,10 +208,16 @@ class SchedulerActor(OperatorCommands, Actor):
 
     # -- steps --------------------------------------------------------------------------------
 
+    def _wire_step_id(self, plan: StepPlan) -> int:
+        return self.epoch << EPOCH_BITS | plan.step_id
+
     async def on_step_result(self, result: StepResult) -> None:
         plan = self.in_flight
-        if plan is None or plan.step_id != result.step_id:
-            return  # a step voided by WorkerLost
+        if plan is None or self._wire_step_id(plan) != result.step_id:
+            # a step voided by WorkerLost, or one planned by an earlier incarnation of this
+            # actor (its core, and the requests it named, are gone)
+            log.debug("stale step result ignored", step_id=result.step_id)
+            return
         self.in_flight = None
         self.latency.step(plan, trio.current_time() - self.step_sent)
         self._emit(self.core.update(plan, result))
@@ -224,15 +257,42 @@ class SchedulerActor(OperatorCommands, Actor):
     async def on_worker_ready(self, msg: m.WorkerReady) -> None:
         self.worker_ready = True
         self.worker_state = "ready"
+        self.worker_failure = ""
         self.worker_restarts = msg.restarts
         self.worker_pid = msg.pid
         self._maybe_step()
+
+    async def on_worker_failed(self, msg: m.WorkerFailed) -> None:
+        """No worker can start: end what waits for one with an error that says so."""
+        self.worker_ready = False
+        self.in_flight = None
+        first = self.worker_state != "failed"
+        self.worker_state = "failed"
+        self.worker_failure = msg.reason
+        self.worker_pid = 0
+        rids = list(self.core.requests)
+        self._emit([out for rid in rids
+                    if (out := self.core.abort(rid, reason=WORKER_FAILED)) is not None])
+        if first or rids:
+            log.error("worker failed: requests are refused until it recovers",
+                      attempts=msg.attempts, reason=msg.reason, ended=len(rids))
+        self._after_step()
 
     def _after_step(self) -> None:
         deferred, self.deferred = self.deferred, []
         for msg in deferred:
             self._apply_pause_or_resume(msg)
+        waiting, self.between_steps = self.between_steps, []
+        for check in waiting:  # one may start a step (reconcile does): the rest wait again
+            self.between_steps_do(check)
         self._maybe_step()
+
+    def between_steps_do(self, check: Callable[[], None]) -> None:
+        """Run `check` now if no step is in flight, else right after the step in flight."""
+        if self.in_flight is None:
+            check()
+        else:
+            self.between_steps.append(check)
 
     def _maybe_step(self) -> None:
         while self.in_flight is None and self.worker_ready and self.core.has_unfinished():
@@ -246,7 +306,7 @@ class SchedulerActor(OperatorCommands, Actor):
             if plan.seqs:
                 self.in_flight = plan
                 self.step_sent = trio.current_time()
-                self.executor.put(plan)
+                self.executor.put(dataclasses.replace(plan, step_id=self._wire_step_id(plan)))
                 return
             # nothing to run (everything paused or waiting for KV); flush ended requests
             outputs = self.core.update(plan, StepResult(plan.step_id))
@@ -261,6 +321,7 @@ class SchedulerActor(OperatorCommands, Actor):
         for out in outputs:
             if out.finished:
                 self.step_losses.pop(out.request_id, None)
+                self.tombstones.pop(out.request_id, None)
                 key = "cancelled" if out.finish_reason in ("cancelled", "timeout") else "finished"
                 self.counters[key] += 1
                 _log_end(out)
@@ -276,46 +337,19 @@ class SchedulerActor(OperatorCommands, Actor):
     async def on_drain(self, msg: m.Drain) -> None:
         self.draining = True
 
-    async def on_ask(self, msg: m.Ask) -> None:
-        if isinstance(msg.query, m.Subscribe):
-            answer = m.ControlSnapshot(0, self.report(), self.detail())
-        else:
-            answer = m.Snapshot(self.report(check=getattr(msg.query, "check_invariants", False)))
-        self.askers.put(msg.reply_to, m.Reply(msg.token, answer))
-
-    def report(self, *, check: bool = False) -> m.StatusReport:
-        core = self.core
-        bm = core.block_manager
-        errors: tuple[str, ...] = ()
-        if check:
-            try:
-                core.check_invariants()
-            except AssertionError as exc:
-                errors = (str(exc),)
-        waiting = len(core.requests) - len(core.running) - len(core.paused)
-        state = "draining" if self.draining else "serving"
-        return m.StatusReport(
-            state=state,
-            worker=m.WorkerStatus(self.worker_state, self.worker_restarts, self.worker_pid),
-            kv=m.KVStatus(bm.num_total_blocks, bm.num_free_blocks, bm.num_used_blocks,
-                          bm.num_cached_blocks),
-            requests=m.RequestCounts(waiting, len(core.running), len(core.paused)),
-            counters=m.Counters(preemptions=core.num_preemptions, **self.counters),
-            invariant_errors=errors,
-        )
-
     def close(self) -> None:
         super().close()
         self.askers.close()
-
-    @property
-    def idle(self) -> bool:
-        return not self.core.has_unfinished() and self.in_flight is None
 
     async def on_crash(self, exc: BaseException) -> None:
         rids = list(self.core.requests)
         self._emit([RequestOutput(rid, [], finished=True, finish_reason="error") for rid in rids])
         log.error("scheduler lost its requests", count=len(rids))
+
+
+def worker_failed_message(reason: str) -> str:
+    return (f"the worker failed: it could not be started ({reason[:200]}); the daemon retries "
+            "it on a long backoff, or at once on `sluice recover`")
 
 
 def _log_end(out: RequestOutput) -> None:

@@ -1,10 +1,12 @@
 """The scheduler actor's operator side: commands from the control socket and what the console
 shows.
 
-Each command answers a `CommandReply` to the asker; reconcile fixes what the request table
-and the block pool disagree on and says what it found. The step loop lives in `actor.py`;
-this is a mixin of `SchedulerActor` and relies on its `core`, `askers`, `_emit` and
-`_maybe_step`.
+Status queries are answered here too (`report`, and `detail` for the console). Each command
+answers a `CommandReply` to the asker; reconcile fixes what the request table and the block
+pool disagree on and says what it found, between two steps (a step in flight holds blocks
+for tokens it has not computed yet, which is no discrepancy). The step loop lives in
+`actor.py`; this is a mixin of `SchedulerActor` and relies on its `core`, `askers`, `_emit`,
+`_maybe_step`, `between_steps_do`, its counters and what it knows of the worker.
 """
 
 from __future__ import annotations
@@ -33,15 +35,18 @@ class OperatorCommands:
             self.draining = True
             reply = m.CommandReply("drain", True, "draining: new requests are rejected")
         elif isinstance(command, m.ReconcileCommand):
-            findings = self.reconcile(msg.connections)
-            reply = m.CommandReply("reconcile", True,
-                                   f"found and fixed {len(findings)} discrepancy(ies)" if findings
-                                   else "consistent: nothing to fix", tuple(findings))
+            self.between_steps_do(lambda: self._answer_reconcile(msg))
+            return
         elif isinstance(command, m.TenantSet):
             reply = self._set_tenant(command)
         elif isinstance(command, m.InjectFault) and command.kind == "leak_block":
             block = self.core.block_manager.allocate(1)[0]
             reply = m.CommandReply("fault", True, f"leaked block {block}")
+        elif isinstance(command, m.InjectFault) and command.kind == "crash_scheduler":
+            # answer first: the control actor must not wait for a reply that never comes
+            self.askers.put(msg.reply_to, m.Reply(msg.token, m.CommandReply(
+                "fault", True, "the scheduler crashes now")))
+            raise RuntimeError("injected scheduler fault")
         elif command == "release_all":
             rids = tuple(self.core.requests)
             self._emit([out for rid in rids if (out := self.core.abort(rid)) is not None])
@@ -49,6 +54,48 @@ class OperatorCommands:
                                    f"cancelled {len(rids)} requests past the deadline")
         else:
             reply = m.CommandReply("unknown", False, f"the scheduler cannot do {command!r}")
+        self.askers.put(msg.reply_to, m.Reply(msg.token, reply))
+
+    async def on_ask(self, msg: m.Ask) -> None:
+        """Status for `sluice status` and the daemon, a snapshot for the console; the
+        consistency check waits for the gap between two steps."""
+        if isinstance(msg.query, m.Subscribe):
+            answer = m.ControlSnapshot(0, self.report(), self.detail())
+        elif getattr(msg.query, "check_invariants", False):
+            self.between_steps_do(lambda: self.askers.put(
+                msg.reply_to, m.Reply(msg.token, m.Snapshot(self.report(check=True)))))
+            return
+        else:
+            answer = m.Snapshot(self.report())
+        self.askers.put(msg.reply_to, m.Reply(msg.token, answer))
+
+    def report(self, *, check: bool = False) -> m.StatusReport:
+        core = self.core
+        bm = core.block_manager
+        errors: tuple[str, ...] = ()
+        if check:
+            try:
+                core.check_invariants()
+            except AssertionError as exc:
+                errors = (str(exc),)
+        waiting = len(core.requests) - len(core.running) - len(core.paused)
+        state = "draining" if self.draining else "serving"
+        return m.StatusReport(
+            state=state,
+            worker=m.WorkerStatus(self.worker_state, self.worker_restarts, self.worker_pid,
+                                  self.worker_failure),
+            kv=m.KVStatus(bm.num_total_blocks, bm.num_free_blocks, bm.num_used_blocks,
+                          bm.num_cached_blocks),
+            requests=m.RequestCounts(waiting, len(core.running), len(core.paused)),
+            counters=m.Counters(preemptions=core.num_preemptions, **self.counters),
+            invariant_errors=errors,
+        )
+
+    def _answer_reconcile(self, msg: m.Operate) -> None:
+        findings = self.reconcile(msg.connections)
+        reply = m.CommandReply("reconcile", True,
+                               f"found and fixed {len(findings)} discrepancy(ies)" if findings
+                               else "consistent: nothing to fix", tuple(findings))
         self.askers.put(msg.reply_to, m.Reply(msg.token, reply))
 
     async def on_undrain(self, msg: m.Undrain) -> None:
@@ -126,6 +173,6 @@ class OperatorCommands:
         stats["requests"] = requests
         stats["latency"] = self.latency.summary(now)
         stats["worker"] = {"state": self.worker_state, "restarts": self.worker_restarts,
-                           "pid": self.worker_pid}
+                           "pid": self.worker_pid, "failure": self.worker_failure}
         stats["draining"] = self.draining
         return stats

@@ -35,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     kv, req = report.kv, report.requests
     print(f"state      {report.state}   connections {report.connections}")
     print(f"worker     {report.worker.state}   restarts {report.worker.restarts}")
+    if report.worker.failure:
+        print(f"           {report.worker.failure}  (`sluice recover` retries now)")
     print(f"kv blocks  total {kv.total_blocks}  free {kv.free_blocks}  used {kv.used_blocks}  "
           f"cached {kv.cached_blocks}")
     print(f"requests   waiting {req.waiting}  running {req.running}  paused {req.paused}")

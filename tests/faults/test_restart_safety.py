@@ -1,0 +1,90 @@
+"""A restarted scheduler serves again: it asks the executor for the worker's state, ignores
+late results of the plans its earlier incarnation sent, and its status tells the truth."""
+
+from __future__ import annotations
+
+import trio
+
+from sluice.actors.base import Inbox
+from sluice.actors.scheduler import Scheduler, SchedulerConfig
+from sluice.actors.scheduler.actor import SchedulerActor
+from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepPlan, StepResult
+from sluice.ipc import messages as m
+from sluice.ipc.client import AsyncClient
+from sluice.ipc.control import fetch_status, send_command
+
+
+async def test_after_a_scheduler_crash_in_flight_requests_fail_and_new_ones_finish(
+    null_daemon,
+) -> None:
+    handle = await null_daemon(debug_faults=True)
+    with trio.fail_after(60):
+        async with AsyncClient(handle.listen, credit_window=1) as client:
+            in_flight = [await client.generate(f"before {i}", max_tokens=500) for i in range(3)]
+            for generation in in_flight:  # each has produced tokens: it holds KV
+                async for _ in generation:
+                    break
+            reply = await send_command(handle.control, m.InjectFault("crash_scheduler"))
+            assert reply.ok
+            for generation in in_flight:
+                assert (await generation.collect()).finish_reason == "error"
+            after = await client.generate("after the crash", max_tokens=8)
+            result = await after.collect()
+            assert result.finish_reason == "length"
+            assert len(result.token_ids) == 8
+        status = await fetch_status(handle.control, check_invariants=True)
+        assert handle.daemon.supervisor.restarts["scheduler"] == 1
+        assert status.worker.state == "ready"
+        assert (status.requests.waiting, status.requests.running, status.requests.paused) == (
+            0, 0, 0)
+        assert status.invariant_errors == ()
+
+
+def _actor() -> tuple[SchedulerActor, Inbox, Inbox]:
+    tokenizer, executor = Inbox("test-tokenizer"), Inbox("test-executor")
+    config = SchedulerConfig.from_dict({"kv_blocks": 64, "block_size": 16})
+    actor = SchedulerActor(
+        lambda: Scheduler(config, eos_token_ids=[0], max_model_len=512),
+        tokenizer=tokenizer, executor=executor, worker_ready=True)
+    return actor, tokenizer, executor
+
+
+def _taken(inbox: Inbox) -> list:
+    taken = []
+    while True:
+        try:
+            taken.append(inbox.get_nowait())
+        except trio.WouldBlock:
+            return taken
+
+
+def _admit(rid: str) -> m.Admit:
+    return m.Admit(rid, b"", (5, 6, 7), SamplingParams(max_tokens=4, temperature=0.0), 0,
+                   "default", 0.0)
+
+
+async def test_a_late_result_of_an_earlier_incarnations_plan_is_ignored() -> None:
+    actor, tokenizer, executor = _actor()
+    try:
+        actor.reset()
+        await actor.on_admit(_admit("old"))
+        [old_plan] = [p for p in _taken(executor) if isinstance(p, StepPlan)]
+        actor.reset()  # what the supervisor does after a crash: a fresh core, a new epoch
+        _taken(tokenizer)
+        await actor.on_admit(_admit("new"))
+        [new_plan] = [p for p in _taken(executor) if isinstance(p, StepPlan)]
+
+        await actor.on_step_result(StepResult(old_plan.step_id, {"old": SampledToken(9)}))
+        assert actor.in_flight is not None, "a stale result must not end the step in flight"
+        assert not [o for o in _taken(tokenizer) if isinstance(o, m.StepOutputs)]
+
+        await actor.on_step_result(StepResult(new_plan.step_id, {"new": SampledToken(9)}))
+        outputs = [out for msg in _taken(tokenizer) if isinstance(msg, m.StepOutputs)
+                   for out in msg.outputs]
+        assert [(out.request_id, out.new_token_ids) for out in outputs] == [("new", [9])]
+        actor.core.abort("new")
+        actor.core.check_invariants()
+        assert actor.core.block_manager.num_used_blocks == 0
+    finally:
+        tokenizer.close()
+        executor.close()

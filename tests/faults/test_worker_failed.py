@@ -1,0 +1,121 @@
+"""A worker that cannot start: at boot `sluiced` exits with its own code; at run time the
+daemon stays up in a `failed` worker state (clear errors, `/health` 503, `status` says so)
+until `sluice recover` brings a worker back once the cause is gone. Real worker processes;
+the cause is a test fault that makes a worker exit before its hello while a file exists."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+import trio
+
+from sluice.daemon.main import EXIT_WORKER
+from sluice.ipc.client import AsyncClient
+from sluice.ipc.control import fetch_status
+from sluice.ipc.errors import OverloadedError
+
+pytestmark = pytest.mark.timeout(400)  # a hang fails this test instead of the suite
+
+
+def _config(tmp_path, fault_file) -> str:
+    config = tmp_path / "sluiced.toml"
+    config.write_text(f"""
+[worker]
+num_blocks = 128
+threads = 1
+max_failed_starts = 2
+backoff_initial = 0.05
+failed_retry_interval = 600.0
+debug_fail_start_if = "{fault_file}"
+""")
+    return str(config)
+
+
+def test_a_worker_that_never_starts_at_boot_exits_with_the_worker_code(tmp_path) -> None:
+    fault = tmp_path / "no-worker"
+    fault.write_text("")
+    run = subprocess.run(
+        [sys.executable, "-m", "sluice.daemon.main", "serve", "--config",
+         _config(tmp_path, fault), "--listen", "tcp://127.0.0.1:0",
+         "--control", f"ipc://{tmp_path}/control.sock"],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "SLUICE_LOG_LEVEL": "warning"})
+    assert run.returncode == EXIT_WORKER == 75
+    assert "sluiced ready" not in run.stdout  # it never said it serves
+    assert "worker could not be started" in run.stderr
+    # nothing was served, so no KV was taken: there is no daemon left to ask
+
+
+async def _http(port: int, path: str) -> tuple[int, str]:
+    def get() -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    return await trio.to_thread.run_sync(get)
+
+
+async def _sluice(*args: str) -> subprocess.CompletedProcess:
+    return await trio.to_thread.run_sync(lambda: subprocess.run(
+        [sys.executable, "-m", "sluice.daemon.cli", *args], capture_output=True, text=True,
+        timeout=60))
+
+
+async def _worker_state(control: str, want: str) -> None:
+    while (await fetch_status(control)).worker.state != want:
+        await trio.sleep(0.1)
+
+
+async def test_a_worker_that_stops_starting_puts_the_daemon_in_a_failed_state(
+    tmp_path, drained_and_consistent,
+) -> None:
+    start_sluiced = sys.modules["sluice_e2e_fixtures"].start_sluiced
+    fault = tmp_path / "no-worker"
+    process, fields = start_sluiced(
+        ["--config", _config(tmp_path, fault), "--listen", "tcp://127.0.0.1:0",
+         "--control", f"ipc://{tmp_path}/control.sock", "--metrics-port", "0"],
+        log=tmp_path / "sluiced.log", log_level="warning", timeout=240)
+    listen, control, port = fields["listen"], fields["control"], int(fields["metrics"])
+    try:
+        with trio.fail_after(300):
+            async with AsyncClient(listen) as client:
+                fault.write_text("")  # from now on no worker can start
+                queued = await client.generate("Once upon a time", max_tokens=100,
+                                               temperature=0, ignore_eos=True)
+                os.kill((await fetch_status(control)).worker.pid, signal.SIGKILL)
+                result = await queued.collect()
+                assert result.finish_reason == "error"
+                assert "worker failed" in result.error
+
+                await _worker_state(control, "failed")
+                status = await _sluice("status", "--json", "--connect-control", control)
+                worker = json.loads(status.stdout)["worker"]
+                assert worker["state"] == "failed"
+                assert "exited with 3" in worker["failure"]
+                with pytest.raises(OverloadedError, match="worker failed"):
+                    await client.generate("Hello", max_tokens=4)
+                code, body = await _http(port, "/health")
+                assert code == 503 and "failed" in body
+
+                fault.unlink()  # the cause is gone; the retry is 600 s away: recover now
+                recover = await _sluice("recover", "--connect-control", control)
+                assert recover.returncode == 0, recover.stderr
+                await _worker_state(control, "ready")
+                assert (await _http(port, "/health"))[0] == 200
+                healthy = await (await client.generate("The capital of France is",
+                                                       max_tokens=4, temperature=0,
+                                                       ignore_eos=True)).collect()
+                assert healthy.finish_reason == "length" and len(healthy.token_ids) == 4
+        await drained_and_consistent(control)
+    finally:
+        process.kill()
+        process.wait()
