@@ -26,7 +26,12 @@ from sluice.actors.scheduler.plan import (
     StepPlan,
     StepResult,
 )
-from sluice.actors.scheduler.policy import TenantState, make_policy, preemption_key
+from sluice.actors.scheduler.policy import (
+    TenantState,
+    TenantUsage,
+    make_policy,
+    preemption_key,
+)
 from sluice.actors.scheduler.request import Request, RequestState
 from sluice.actors.scheduler.wait_queue import WaitQueue
 
@@ -56,7 +61,8 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
         self.prefilling: dict[str, Request] = {}  # the prefilling subset of `running`
         self.paused: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # every request not yet ended
-        self.tenants: dict[str, TenantState] = {}
+        self.tenants: dict[str, TenantState] = {}  # tenants with live requests only
+        self.usage: dict[str, TenantUsage] = {}  # every tenant that ever ran: kept when idle
         self.recently_ended: OrderedDict[str, Request] = OrderedDict()
         self.num_preemptions = 0
         self.num_rejected = 0
@@ -261,17 +267,18 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
             if request is None or request.scheduled_step != step_id or not request.block_ids:
                 continue  # ended, preempted or requeued since it was planned
             tenant = self.tenants[request.tenant]
+            usage = tenant.usage
             start = seq.start_pos
             end = start + len(seq.token_ids)
             if not request.last_chunk_was_decode:
                 recomputed = max(0, min(end, request.max_computed_tokens) - start)
                 fresh = end - start - recomputed
                 request.num_recomputed_tokens += recomputed
-                tenant.recomputed_tokens += recomputed
+                usage.recomputed_tokens += recomputed
                 request.num_prefill_tokens += fresh
-                tenant.prefill_tokens += fresh
+                usage.prefill_tokens += fresh
                 charge = cost_p * fresh
-                tenant.service += charge
+                usage.service += charge
                 tenant.virtual_time += charge / tenant.config.weight
             if end > request.num_computed_tokens:
                 request.num_computed_tokens = end
@@ -293,8 +300,8 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
             request.output_token_ids.append(token_id)
             request.all_token_ids.append(token_id)
             request.num_decode_tokens += 1
-            tenant.decode_tokens += 1
-            tenant.service += cost_d
+            usage.decode_tokens += 1
+            usage.service += cost_d
             tenant.virtual_time += cost_d / tenant.config.weight
             if request.first_token_time is None:
                 request.first_token_time = now

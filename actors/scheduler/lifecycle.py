@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from sluice.actors.scheduler.config import TenantConfig
 from sluice.actors.scheduler.plan import RequestOutput
-from sluice.actors.scheduler.policy import TenantState
+from sluice.actors.scheduler.policy import TenantState, TenantUsage
 from sluice.actors.scheduler.request import FAILED_REASONS, Request, RequestState
 
 if TYPE_CHECKING:
@@ -99,13 +99,18 @@ class LifecycleMixin:
         tenants = dict(self.config.tenants)
         tenants[name] = tenant
         self.config = dataclasses.replace(self.config, tenants=tenants)
-        self._tenant(name).config = tenant
+        if name in self.tenants:  # an idle tenant picks its config up when it becomes active
+            self.tenants[name].config = tenant
 
     # -- internals --------------------------------------------------------------------------
     def _tenant(self: Scheduler, name: str) -> TenantState:
+        """The scheduling state of a tenant, created (as idle) if it has none."""
         tenant = self.tenants.get(name)
         if tenant is None:
-            tenant = self.tenants[name] = TenantState(name, self.config.tenant(name))
+            usage = self.usage.get(name)
+            if usage is None:
+                usage = self.usage[name] = TenantUsage()
+            tenant = self.tenants[name] = TenantState(name, self.config.tenant(name), usage)
         return tenant
 
     def _activate(self: Scheduler, tenant: TenantState) -> None:
@@ -113,6 +118,15 @@ class LifecycleMixin:
             active = [t for t in self.tenants.values() if t.live > 0]
             self.policy.on_tenant_active(tenant, active)
         tenant.live += 1
+
+    def _retire(self: Scheduler, tenant: TenantState) -> None:
+        """A tenant's last live request ended: drop its scheduling state, keep its usage.
+
+        This is what keeps a flood of one-off tenant names from slowing every later step; the
+        fair policy starts a returning tenant at the current minimum counter anyway, so the
+        dropped virtual counter carried no credit worth keeping.
+        """
+        del self.tenants[tenant.name]
 
     def _enqueue(self: Scheduler, request: Request) -> None:
         self.waiting.push(request)
@@ -156,7 +170,7 @@ class LifecycleMixin:
         if request.block_ids:
             cost = len(request.block_ids) * (now - request.kv_since)
             request.kv_block_seconds += cost
-            self.tenants[request.tenant].kv_block_seconds += cost
+            self.tenants[request.tenant].usage.kv_block_seconds += cost
         request.kv_since = now
 
     def _preempt(self: Scheduler, request: Request) -> None:
@@ -164,7 +178,7 @@ class LifecycleMixin:
         self._drop_kv(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.tenants[request.tenant].preemptions += 1
+        self.tenants[request.tenant].usage.preemptions += 1
         if request.state is PAUSED:
             request.resume_state = PREEMPTED
             return
@@ -182,7 +196,9 @@ class LifecycleMixin:
         del self.requests[rid]
         tenant = self.tenants[request.tenant]
         tenant.live -= 1
-        tenant.finished += 1
+        tenant.usage.finished += 1
+        if tenant.live == 0:
+            self._retire(tenant)
         request.state = state
         request.finish_reason = reason
         request.finish_time = self.clock()
