@@ -140,9 +140,13 @@ class SchedulerConfig:
     def tenant(self, name: str) -> TenantConfig:
         return self.tenants.get(name) or _DEFAULT_LIMITS
 
+    def is_configured(self, name: str) -> bool:
+        """A tenant the config or an operator created (not one a client merely named)."""
+        return name == DEFAULT_TENANT or name in self.tenants
+
     def tenant_exists(self, name: str) -> bool:
         """Whether a request may name this tenant: "default", a configured one, or any if open."""
-        return self.open_tenants or name == DEFAULT_TENANT or name in self.tenants
+        return self.open_tenants or self.is_configured(name)
 
     def max_queued_of(self, name: str) -> int | None:
         """The queue cap of a tenant: its own `max_queued`, else the default cap."""

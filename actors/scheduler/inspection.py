@@ -160,7 +160,7 @@ class InspectionMixin:
                 "max_new_tokens": limits.max_new_tokens,
             },
             # set up by the config or an operator (not only named by a client)
-            "configured": name == DEFAULT_TENANT or name in self.config.tenants,
+            "configured": self.config.is_configured(name),
             "queues": dict(per_tenant_state.get(name, {})),
             "waiting": state.waiting if state else 0,
             "running": state.running if state else 0,
