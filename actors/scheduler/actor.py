@@ -4,9 +4,10 @@ It admits what the Tokenizer sends, keeps at most one `StepPlan` in flight at th
 applies each `StepResult` and hands the outputs back to the Tokenizer. Releases (cancel,
 timeout, client gone, errors) are applied at once, so their KV is free in the same
 iteration; pauses and resumes wait for the step in flight. `WorkerLost` voids the step in
-flight and sends every request holding KV back to the queue to recompute. A request that was
-in the lost step of `max_step_losses` workers ends with `error` instead: whatever in it kills
-the worker (a bug, a fault on one shape) must not hold the daemon in a restart loop.
+flight and sends every request holding KV back to the queue to recompute; the core then runs
+the lost step's requests apart (bisection), and the one that was alone in the lost step of
+`max_step_losses` workers ends with `error`: whatever in it kills the worker (a bug, a fault on
+one shape) must neither hold the daemon in a restart loop nor fail the requests beside it.
 
 Steps wait while the actors downstream (tokenizer, gateway) hold more than
 `downstream_limit` untaken messages: inboxes are unbounded (actors form cycles), so this
@@ -18,7 +19,7 @@ It also answers status queries: the numbers `sluice status` prints.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 import structlog
 import trio
@@ -80,7 +81,6 @@ class SchedulerActor(OperatorCommands, Actor):
         self.tombstones: OrderedDict[str, None] = OrderedDict()
         self.worker_ready = self.initial_worker_ready
         self.waiting_for_room = False
-        self.step_losses: Counter[str] = Counter()  # lost workers per request in their step
 
     def handlers(self) -> dict[type, Handler]:
         return {
@@ -158,7 +158,6 @@ class SchedulerActor(OperatorCommands, Actor):
 
     async def on_finish(self, msg: m.Finish) -> None:
         out = self.core.finish(msg.request_id, reason="stop")
-        self.step_losses.pop(msg.request_id, None)
         if out is not None:
             self.counters["finished"] += 1  # the tokenizer already sent the Finished
             _log_end(out)
@@ -202,21 +201,13 @@ class SchedulerActor(OperatorCommands, Actor):
         self._after_step()
 
     def _charge_lost_step(self, plan: StepPlan | None) -> list[str]:
-        """Count the loss against every request of the lost step; end those past the limit."""
-        if plan is None:
-            return []
-        failed = []
-        for seq in plan.seqs:
-            self.step_losses[seq.request_id] += 1
-            if self.step_losses[seq.request_id] >= self.max_step_losses:
-                failed.append(seq.request_id)
-        outputs = [self.core.abort(rid, reason="error") for rid in failed]
-        outputs = [out for out in outputs if out is not None]
-        for rid in failed:
-            log.error("request failed: its steps lost the worker", request_id=rid,
-                      losses=self.step_losses[rid])
+        """The core bisects the lost step's requests and ends the one that kills the worker."""
+        outputs = self.core.charge_lost_step(plan, self.max_step_losses)
+        for out in outputs:
+            log.error("request failed: its steps lost the worker", request_id=out.request_id,
+                      losses=self.max_step_losses)
         self._emit(outputs)
-        return failed
+        return [out.request_id for out in outputs]
 
     async def on_worker_ready(self, msg: m.WorkerReady) -> None:
         self.worker_ready = True
@@ -257,7 +248,6 @@ class SchedulerActor(OperatorCommands, Actor):
         self.latency.record(self.core, outputs)
         for out in outputs:
             if out.finished:
-                self.step_losses.pop(out.request_id, None)
                 key = "cancelled" if out.finish_reason in ("cancelled", "timeout") else "finished"
                 self.counters[key] += 1
                 _log_end(out)

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from sluice.actors.scheduler.admission import AdmissionMixin
+from sluice.actors.scheduler.bisection import PoisonBisection
 from sluice.actors.scheduler.block_manager import BlockManager
 from sluice.actors.scheduler.config import SchedulerConfig
 from sluice.actors.scheduler.inspection import InspectionMixin
@@ -80,6 +81,8 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
         self._planned_prefill = self._planned_decodes = 0
         self.last_step: dict[str, float] = {}  # composition of the latest plan, for snapshots
         self._iteration_seconds = 0.0  # between the last two schedule() calls, for aging
+        self.bisection = PoisonBisection()  # who may have killed the worker, and who runs next
+        self._probe: frozenset[str] | None = None  # the suspects this plan is limited to
 
     # -- planning -------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -94,6 +97,26 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
         self._budget = float(cfg.token_budget)
         self._planned_prefill = self._planned_decodes = 0
         self._preemptions_at_start = self.num_preemptions
+        self._probe = self.bisection.probe_group(self.requests)
+        self._plan_in_order(now)
+        if self._probe is not None and not self._seqs:
+            # the suspects cannot run now (no KV for them): let the others run and free some
+            self._probe = None
+            self._plan_in_order(now)
+        self._probe = None
+        plan = StepPlan(step_id=self._step_id, seqs=list(self._seqs.values()))
+        self._seqs = {}
+        self.last_step = {
+            "seqs": len(plan.seqs),
+            "prefill_tokens": self._planned_prefill,
+            "decode_tokens": self._planned_decodes,
+            "budget_used": cfg.token_budget - self._budget,
+            "token_budget": cfg.token_budget,
+        }
+        return plan
+
+    def _plan_in_order(self, now: float) -> None:
+        cfg = self.config
         if cfg.order == "decode_first":
             self._schedule_decodes()
             self._schedule_prefills(now)
@@ -106,16 +129,19 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
             self._schedule_prefills(now)
             self._budget += held_back
             self._schedule_decodes()
-        plan = StepPlan(step_id=self._step_id, seqs=list(self._seqs.values()))
-        self._seqs = {}
-        self.last_step = {
-            "seqs": len(plan.seqs),
-            "prefill_tokens": self._planned_prefill,
-            "decode_tokens": self._planned_decodes,
-            "budget_used": cfg.token_budget - self._budget,
-            "token_budget": cfg.token_budget,
-        }
-        return plan
+
+    def _may_plan(self, request: Request) -> bool:
+        """While a suspect group is probed only its members run; else everyone but suspects."""
+        if self._probe is not None:
+            return request.request_id in self._probe
+        suspects = self.bisection.suspects
+        return not suspects or request.request_id not in suspects
+
+    def _next_probe_admission(self) -> Request | None:
+        """The queued member of the probed group that arrived first."""
+        members = (self.requests.get(rid) for rid in self._probe or ())
+        queued = [r for r in members if r is not None and r.in_queue]
+        return min(queued, key=preemption_key, default=None)
 
     def _schedule_decodes(self) -> None:
         w_d = self.config.decode_weight
@@ -128,7 +154,7 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
         for request in candidates:
             if self._budget < w_d:
                 break
-            if request.state is not DECODING:
+            if request.state is not DECODING or not self._may_plan(request):
                 continue
             start = request.num_computed_tokens
             if start >= len(request.all_token_ids):  # the toy mode's first decode
@@ -148,7 +174,11 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
         for request in self.policy.prefill_order(list(self.prefilling.values()), self.tenants):
             if self._budget < w_p:
                 return
-            if request.state is PREFILLING and request.request_id not in self._seqs:
+            if (
+                request.state is PREFILLING
+                and request.request_id not in self._seqs
+                and self._may_plan(request)
+            ):
                 self._schedule_chunk(request, may_preempt=True)
         while (
             len(self.prefilling) < cfg.max_prefilling
@@ -159,9 +189,14 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
             and self.num_preemptions == self._preemptions_at_start
             and self._admission_allowed()
         ):
-            request = self.waiting.select(
-                now, self.tenants, self._tenant_may_run, self._iteration_seconds
-            )
+            if self._probe is not None:
+                request = self._next_probe_admission()
+            else:
+                request = self.waiting.select(
+                    now, self.tenants, self._tenant_may_run, self._iteration_seconds
+                )
+                if request is not None and not self._may_plan(request):
+                    return  # a suspect is next in line: it waits for its probe
             if request is None or not self._admit(request, now):
                 return
 
@@ -322,6 +357,7 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
             if request.sampling.logprobs is not None:
                 output.logprobs = [token]
             outputs.append(output)
+        self.bisection.step_done(plan, self.requests)
         return outputs
 
     def _mark_decoding(self, request: Request, now: float) -> None:

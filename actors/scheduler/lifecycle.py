@@ -10,7 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from sluice.actors.scheduler.config import TenantConfig
-from sluice.actors.scheduler.plan import RequestOutput
+from sluice.actors.scheduler.plan import RequestOutput, StepPlan
 from sluice.actors.scheduler.policy import TenantState, TenantUsage
 from sluice.actors.scheduler.request import FAILED_REASONS, Request, RequestState
 
@@ -83,6 +83,20 @@ class LifecycleMixin:
         self.block_manager.reset()
         self._admission_open = True
         return requeued
+
+    def charge_lost_step(
+        self: Scheduler, plan: StepPlan | None, max_losses: int
+    ) -> list[RequestOutput]:
+        """The worker died during `plan` (after `requeue_all`): suspect its requests.
+
+        They are bisected in later plans (see `bisection.py`); a request that was alone in
+        `max_losses` lost steps ends with "error", so it cannot hold the daemon in a restart
+        loop, while the requests batched with it go on.
+        """
+        if plan is None:
+            return []
+        failed = self.bisection.step_lost(plan, self.requests, max_losses)
+        return [self._end(self.requests[rid], "error", RequestState.FAILED) for rid in failed]
 
     def has_unfinished(self: Scheduler) -> bool:
         return bool(self.requests)
@@ -194,6 +208,7 @@ class LifecycleMixin:
         request.num_computed_tokens = computed  # kept for inspection of the ended request
         rid = request.request_id
         del self.requests[rid]
+        self.bisection.forget(rid)
         tenant = self.tenants[request.tenant]
         tenant.live -= 1
         tenant.usage.finished += 1
