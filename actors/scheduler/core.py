@@ -5,7 +5,8 @@ result) -> [RequestOutput]`. One rule covers every kind of work: each step a req
 computed tokens catch up with its known tokens (prompt + generated), so a prefill chunk, a
 prefix-cache hit, a recompute after preemption and a decode differ only in their numbers.
 Lifecycle operations outside a step (abort, pause, requeue) are in `lifecycle.py`; checks and
-snapshots in `inspection.py`.
+snapshots in `inspection.py`. After a lost worker, a plan may be limited to one group of
+suspects (`bisection.py` says which) so that the request that kills the worker is found.
 """
 
 from __future__ import annotations
