@@ -41,6 +41,7 @@ async def test_only_the_poison_request_fails_and_its_batch_finishes(
                                              temperature=0)
             assert (await poisoned.collect()).finish_reason == "error"
             results = [await generation.collect() for generation in innocents]
+            assert [r.finish_reason for r in results] == ["length", "length"]
             status = await fetch_status(control)
             assert status.worker.restarts >= 3  # the batch was lost, then the poison alone
             # what the innocent prompts give without a poison request beside them
