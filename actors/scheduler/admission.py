@@ -32,9 +32,13 @@ class AdmissionMixin:
             self.num_rejected += 1
             # per tenant only for tenants already on the books: counting rejections of
             # invented names would let a client grow this table with names it never gets to use
-            usage = self.usage.get(request.tenant)
-            if usage is not None:
-                usage.rejected += 1
+            name = request.tenant
+            if name in self.tenants:
+                self.tenants[name].usage.rejected += 1
+            elif name in self.usage:
+                self.usage[name].rejected += 1
+                if not self.config.is_configured(name):
+                    self.other_usage.rejected += 1
             raise
         now = self.clock()
         if request.arrival_time is None:

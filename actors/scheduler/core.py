@@ -64,7 +64,10 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
         self.paused: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # every request not yet ended
         self.tenants: dict[str, TenantState] = {}  # tenants with live requests only
-        self.usage: dict[str, TenantUsage] = {}  # every tenant that ever ran: kept when idle
+        # what each tenant that ever ran has used, as of when it last went idle (metrics and
+        # billing read it); `tenant_usage(name)` adds what an active tenant used since
+        self.usage: dict[str, TenantUsage] = {}
+        self.other_usage = TenantUsage()  # the same summed over idle client-named tenants
         self.recently_ended: OrderedDict[str, Request] = OrderedDict()
         self.num_preemptions = 0
         self.num_rejected = 0

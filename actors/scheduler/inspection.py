@@ -110,10 +110,6 @@ class InspectionMixin:
             per_tenant_state.setdefault(request.tenant, Counter())[request.state.value] += 1
         cfg = self.config
         shown = {DEFAULT_TENANT, *cfg.tenants, *self.tenants}
-        other = TenantUsage()
-        for name, usage in self.usage.items():
-            if name not in shown:
-                other.add(usage)
         return {
             "step": self._step_id,
             "queues": {
@@ -143,7 +139,7 @@ class InspectionMixin:
             "tenants": {name: self._tenant_stats(name, per_tenant_state) for name in shown},
             # client-named tenants (open_tenants) that are idle, summed: one entry however
             # many names clients invented, so snapshots and metric labels stay bounded
-            "other_tenants": _usage_dict(other),
+            "other_tenants": _usage_dict(self.other_usage),
         }
 
     def _tenant_stats(
@@ -165,7 +161,7 @@ class InspectionMixin:
             "waiting": state.waiting if state else 0,
             "running": state.running if state else 0,
             "virtual_time": state.virtual_time if state else 0.0,
-            **_usage_dict(self.usage.get(name) or TenantUsage()),
+            **_usage_dict(self.tenant_usage(name)),
         }
 
 

@@ -121,11 +121,20 @@ class LifecycleMixin:
         """The scheduling state of a tenant, created (as idle) if it has none."""
         tenant = self.tenants.get(name)
         if tenant is None:
-            usage = self.usage.get(name)
-            if usage is None:
-                usage = self.usage[name] = TenantUsage()
-            tenant = self.tenants[name] = TenantState(name, self.config.tenant(name), usage)
+            if name not in self.usage:
+                self.usage[name] = TenantUsage()
+            config = self.config.tenant(name)
+            tenant = self.tenants[name] = TenantState(name, config, TenantUsage())
         return tenant
+
+    def tenant_usage(self: Scheduler, name: str) -> TenantUsage:
+        """All a tenant has used so far: its record plus what it used since it became active."""
+        total = TenantUsage()
+        if name in self.usage:
+            total.add(self.usage[name])
+        if name in self.tenants:
+            total.add(self.tenants[name].usage)
+        return total
 
     def _activate(self: Scheduler, tenant: TenantState) -> None:
         if tenant.live == 0:
@@ -138,9 +147,14 @@ class LifecycleMixin:
 
         This is what keeps a flood of one-off tenant names from slowing every later step; the
         fair policy starts a returning tenant at the current minimum counter anyway, so the
-        dropped virtual counter carried no credit worth keeping.
+        dropped virtual counter carried no credit worth keeping. What it used is added to its
+        record here, and for a tenant only a client named to the sum of such tenants, which
+        keeps `stats()` from summing every name ever seen.
         """
         del self.tenants[tenant.name]
+        self.usage[tenant.name].add(tenant.usage)
+        if not self.config.is_configured(tenant.name):
+            self.other_usage.add(tenant.usage)
 
     def _enqueue(self: Scheduler, request: Request) -> None:
         self.waiting.push(request)

@@ -45,7 +45,7 @@ class TenantState:
 
     name: str
     config: TenantConfig
-    usage: TenantUsage
+    usage: TenantUsage  # since it became active; added to its record when it goes idle
     virtual_time: float = 0.0  # service / weight since the tenant became active, fair policy
     live: int = 0  # requests not ended (waiting, running, paused or preempted)
     waiting: int = 0

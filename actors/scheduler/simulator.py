@@ -13,7 +13,6 @@ from typing import Any
 
 from sluice.actors.scheduler.core import Scheduler
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
-from sluice.actors.scheduler.policy import TenantUsage
 from sluice.actors.scheduler.request import Request
 from sluice.actors.scheduler.scenario import Scenario, SimRequest, percentile
 
@@ -49,11 +48,10 @@ class SimulationResult:
     end_time: float
 
     def to_dict(self) -> dict[str, Any]:
-        usage = self.scheduler.usage
         config = self.scheduler.config
         tenants = {}
         for name in sorted({t.tenant for t in self.requests.values()}):
-            t = usage.get(name) or TenantUsage()
+            t = self.scheduler.tenant_usage(name)
             tenants[name] = {
                 "weight": config.tenant(name).weight,
                 "prefill_tokens": t.prefill_tokens,

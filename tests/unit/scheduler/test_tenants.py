@@ -133,7 +133,7 @@ def test_a_tenant_without_its_own_cap_gets_the_default_queue_cap(make_sched):
         sched.add_request(req(f"u{i}", tenant="stranger", first=100 * i))
     with pytest.raises(Quota, match=r"^quota: tenant: 'stranger' already has 3 requests queued"):
         sched.add_request(req("u3", tenant="stranger", first=900))
-    assert sched.usage["stranger"].rejected == 1
+    assert sched.tenant_usage("stranger").rejected == 1
     for i in range(5):  # its own max_queued wins over the default
         sched.add_request(req(f"b{i}", tenant="big", first=2000 + 100 * i))
     with pytest.raises(Quota):
@@ -191,4 +191,23 @@ def test_stale_queue_entries_do_not_pile_up_under_a_long_waiting_request(make_sc
     sched.check_invariants()
     sched.abort("holder")
     run_to_end(sched)
+    sched.check_invariants()
+
+
+def test_usage_adds_up_over_active_and_idle_spells_without_double_counting(make_sched):
+    sched = make_sched(open_tenants=True, tenants={"known": TenantConfig()})
+    for spell in range(3):
+        sched.add_request(req(f"o{spell}", prompt_len=5, max_tokens=2, tenant="visitor"))
+        sched.add_request(req(f"k{spell}", prompt_len=5, max_tokens=2, tenant="known"))
+        step(sched)
+        active = sched.stats()
+        assert active["tenants"]["visitor"]["configured"] is False
+        assert active["tenants"]["visitor"]["prefill_tokens"] == 5 * (spell + 1)
+        run_to_end(sched)
+    stats = sched.stats()
+    assert "visitor" not in stats["tenants"]
+    assert stats["other_tenants"]["finished"] == 3 and stats["other_tenants"]["prefill_tokens"] == 15
+    assert stats["tenants"]["known"]["finished"] == 3  # configured: its own entry, not summed
+    assert sched.tenant_usage("visitor") == sched.usage["visitor"]
+    assert sched.usage["visitor"].decode_tokens == 6
     sched.check_invariants()
