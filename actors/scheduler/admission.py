@@ -3,7 +3,8 @@
 `add_request` turns a request into a typed rejection or a queue entry (a tenant nobody created
 is rejected before it costs a table entry); `_admit` (called while planning) takes prefix-cache
 hits, whose hash chain starts from the tenant's salt, checks the KV watermarks and the
-reservation, and gives the request its first chunk. Mixed into `Scheduler` (`core.py`), which owns the tables used here.
+reservation, and gives the request its first chunk. Mixed into `Scheduler` (`core.py`), which
+owns the tables used here.
 """
 
 from __future__ import annotations

@@ -206,7 +206,8 @@ def test_usage_adds_up_over_active_and_idle_spells_without_double_counting(make_
         run_to_end(sched)
     stats = sched.stats()
     assert "visitor" not in stats["tenants"]
-    assert stats["other_tenants"]["finished"] == 3 and stats["other_tenants"]["prefill_tokens"] == 15
+    other = stats["other_tenants"]
+    assert other["finished"] == 3 and other["prefill_tokens"] == 15
     assert stats["tenants"]["known"]["finished"] == 3  # configured: its own entry, not summed
     assert sched.tenant_usage("visitor") == sched.usage["visitor"]
     assert sched.usage["visitor"].decode_tokens == 6
