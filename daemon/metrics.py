@@ -86,7 +86,7 @@ class Metrics:
         return True, "serving"
 
 
-def _bounded_tenants(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def bounded_tenants(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per-tenant values, one entry per configured tenant and the rest summed as `(other)`."""
     shown: dict[str, dict[str, Any]] = {}
     other = {**stats["other_tenants"], "running": 0}
@@ -133,7 +133,7 @@ class _SchedulerCollector:
         for outcome in ("accepted", "finished", "cancelled", "rejected"):
             outcomes.add_metric([outcome], getattr(report.counters, outcome))
         yield outcomes
-        tenants = _bounded_tenants(stats)
+        tenants = bounded_tenants(stats)
         per_tenant = {
             "sluice_tenant_requests": ("Ended or rejected requests per tenant", "outcome",
                                        {"finished": "finished", "rejected": "rejected"}),
