@@ -33,7 +33,7 @@ class AdmissionMixin:
             self.num_rejected += 1
             # per tenant only for tenants already on the books: counting rejections of
             # invented names would let a client grow this table with names it never gets to use
-            name = request.tenant
+            name = request.tenant if isinstance(request.tenant, str) else ""
             if name in self.tenants:
                 self.tenants[name].usage.rejected += 1
             elif name in self.usage:

@@ -51,6 +51,15 @@ def test_closed_tenants_reject_a_name_nobody_created(make_sched):
     sched.check_invariants()
 
 
+def test_a_tenant_that_is_not_a_name_is_invalid(make_sched):
+    sched = make_sched()
+    bad = req("a")
+    bad.tenant = ["not", "a", "name"]
+    with pytest.raises(InvalidRequest, match="^invalid: tenant:"):
+        sched.add_request(bad)
+    sched.check_invariants()
+
+
 def test_an_operator_created_tenant_is_accepted(make_sched):
     sched = make_sched(open_tenants=False)
     with pytest.raises(InvalidRequest, match="^invalid: tenant:"):
