@@ -9,6 +9,10 @@ DESIGN §10.
 `/health` answers 200 while serving with a ready worker, 503 while draining, while the
 worker is down or `failed` (the body says which), or when the scheduler does not answer.
 Nothing here binds a port unless `metrics_port` is configured.
+
+Tenant labels are bounded: each tenant the config or an operator created has its own label;
+tenants that clients merely named (`[limits] open_tenants`) share the label `(other)`, so a
+flood of invented names cannot grow the label sets.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _BATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _REQUEST_LIMIT = 8192  # bytes of request line and headers we read before giving up
+OTHER_TENANTS = "(other)"  # the label of every tenant no config or operator created
 
 
 class Metrics:
@@ -58,15 +63,19 @@ class Metrics:
 
     def observe(self, kind: str, value: float, tenant: str) -> None:
         if kind == "ttft":
-            self.ttft.labels(tenant).observe(value)
+            self.ttft.labels(self._tenant_label(tenant)).observe(value)
         elif kind == "itl":
-            self.itl.labels(tenant).observe(value)
+            self.itl.labels(self._tenant_label(tenant)).observe(value)
         elif kind == "iteration":
             self.iteration.observe(value)
         elif kind == "prefill_chunk":
             self.prefill_chunk.observe(value)
         elif kind == "decode_batch":
             self.decode_batch.observe(value)
+
+    @staticmethod
+    def _tenant_label(tenant: str) -> str:
+        return tenant or OTHER_TENANTS  # "" is every tenant no config or operator created
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -87,6 +96,23 @@ class Metrics:
             failure = f": {report.worker.failure}" if report.worker.failure else ""
             return False, f"worker {report.worker.state}{failure}"
         return True, "serving"
+
+
+def bounded_tenants(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per-tenant values, one entry per configured tenant and the rest summed as `(other)`."""
+    shown: dict[str, dict[str, Any]] = {}
+    other = {**stats["other_tenants"], "running": 0}
+    folded = any(other.values())
+    for name, values in stats["tenants"].items():
+        if values["configured"]:
+            shown[name] = values
+            continue
+        folded = True
+        for key in other:
+            other[key] += values[key]
+    if folded:
+        shown[OTHER_TENANTS] = other
+    return shown
 
 
 class _SchedulerCollector:
@@ -120,7 +146,7 @@ class _SchedulerCollector:
         for outcome in ("accepted", "finished", "cancelled", "rejected"):
             outcomes.add_metric([outcome], getattr(report.counters, outcome))
         yield outcomes
-        tenants = stats["tenants"]
+        tenants = bounded_tenants(stats)
         per_tenant = {
             "sluice_tenant_requests": ("Ended or rejected requests per tenant", "outcome",
                                        {"finished": "finished", "rejected": "rejected"}),

@@ -110,6 +110,13 @@ class Daemon:
             )
             max_model_len = facts.max_model_len
             self._file_tenants = set(core_config.tenants)
+            # which tenants a client may name is an intake limit; CURVE keys' tenants exist
+            core_config = dataclasses.replace(
+                core_config,
+                tenants={**{name: core_config.tenant(name) for name in cfg.auth.tenants},
+                         **core_config.tenants},
+                open_tenants=cfg.limits.open_tenants,
+                default_tenant_max_queued=cfg.limits.default_tenant_max_queued)
 
             def make_core() -> Scheduler:
                 return Scheduler(core_config, eos_token_ids=tokenizer.eos_token_ids,

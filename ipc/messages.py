@@ -310,6 +310,9 @@ class TenantSet:
     # False: unset fields keep their value; True: they return to the defaults (weight 1, no
     # limit), so the tenant becomes exactly what this message says
     reset: bool = False
+    # prefix-cache sharing (default: the tenant's cache hits are its own)
+    share_prefix_cache: bool | None = None
+    prefix_cache_group: str | None = None
 
 
 @dataclass(frozen=True)

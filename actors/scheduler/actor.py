@@ -4,9 +4,10 @@ It admits what the Tokenizer sends, keeps at most one `StepPlan` in flight at th
 applies each `StepResult` and hands the outputs back to the Tokenizer. Releases (cancel,
 timeout, client gone, errors) are applied at once, so their KV is free in the same
 iteration; pauses and resumes wait for the step in flight. `WorkerLost` voids the step in
-flight and sends every request holding KV back to the queue to recompute. A request that was
-in the lost step of `max_step_losses` workers ends with `error` instead: whatever in it kills
-the worker (a bug, a fault on one shape) must not hold the daemon in a restart loop.
+flight and sends every request holding KV back to the queue to recompute; the core then runs
+the lost step's requests apart (bisection), and the one that was alone in the lost step of
+`max_step_losses` workers ends with `error`: whatever in it kills the worker (a bug, a fault on
+one shape) must neither hold the daemon in a restart loop nor fail the requests beside it.
 `WorkerFailed` (no worker could start) ends every request with an error saying so, and new
 requests are refused with that reason until a worker is ready again.
 
@@ -27,7 +28,7 @@ Status queries and operator commands are answered by `operations.py`.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 import structlog
 import trio
@@ -97,7 +98,6 @@ class SchedulerActor(OperatorCommands, Actor):
         self.worker_pid = 0
         self.worker_failure = ""
         self.waiting_for_room = False
-        self.step_losses: Counter[str] = Counter()  # lost workers per request in their step
         # the worker's state was known to the old incarnation only: ask again (the answer,
         # WorkerReady or WorkerFailed, lands in the inbox like any announcement)
         self.executor.put(m.AskWorker())
@@ -187,7 +187,6 @@ class SchedulerActor(OperatorCommands, Actor):
 
     async def on_finish(self, msg: m.Finish) -> None:
         out = self.core.finish(msg.request_id, reason="stop")
-        self.step_losses.pop(msg.request_id, None)
         if out is not None:
             self.counters["finished"] += 1  # the tokenizer already sent the Finished
             _log_end(out)
@@ -237,22 +236,13 @@ class SchedulerActor(OperatorCommands, Actor):
         self._after_step()
 
     def _charge_lost_step(self, plan: StepPlan | None) -> list[str]:
-        """Count the loss against every request of the lost step; end those past the limit."""
-        if plan is None:
-            return []
-        failed = []
-        for seq in plan.seqs:
-            self.step_losses[seq.request_id] += 1
-            if self.step_losses[seq.request_id] >= self.max_step_losses:
-                failed.append(seq.request_id)
-        outputs = [self.core.abort(rid, reason="error") for rid in failed]
-        outputs = [out for out in outputs if out is not None]
-        for rid in failed:
+        """The core bisects the lost step's requests and ends the one that kills the worker."""
+        outputs = self.core.charge_lost_step(plan, self.max_step_losses)
+        for out in outputs:
             log.error("request failed: its steps lost the worker",
-                      request_id=clip(rid, _LOG_LIMITS),
-                      losses=self.step_losses[rid])
+                      request_id=clip(out.request_id, _LOG_LIMITS), losses=self.max_step_losses)
         self._emit(outputs)
-        return failed
+        return [out.request_id for out in outputs]
 
     async def on_worker_ready(self, msg: m.WorkerReady) -> None:
         self.worker_ready = True
@@ -320,7 +310,6 @@ class SchedulerActor(OperatorCommands, Actor):
         self.latency.record(self.core, outputs)
         for out in outputs:
             if out.finished:
-                self.step_losses.pop(out.request_id, None)
                 self.tombstones.pop(out.request_id, None)
                 key = "cancelled" if out.finish_reason in ("cancelled", "timeout") else "finished"
                 self.counters[key] += 1

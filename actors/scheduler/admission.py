@@ -1,8 +1,10 @@
 """Admission: validating and queueing requests, and moving the policy's pick into the running set.
 
-`add_request` turns a request into a typed rejection or a queue entry; `_admit` (called while
-planning) takes prefix-cache hits, checks the KV watermarks and the reservation, and gives the
-request its first chunk. Mixed into `Scheduler` (`core.py`), which owns the tables used here.
+`add_request` turns a request into a typed rejection or a queue entry (a tenant nobody created
+is rejected before it costs a table entry); `_admit` (called while planning) takes prefix-cache
+hits, whose hash chain starts from the tenant's salt, checks the KV watermarks and the
+reservation, and gives the request its first chunk. Mixed into `Scheduler` (`core.py`), which
+owns the tables used here.
 """
 
 from __future__ import annotations
@@ -29,7 +31,15 @@ class AdmissionMixin:
             self._validate(request)
         except Exception:
             self.num_rejected += 1
-            self._tenant(request.tenant).rejected += 1
+            # per tenant only for tenants already on the books: counting rejections of
+            # invented names would let a client grow this table with names it never gets to use
+            name = request.tenant if isinstance(request.tenant, str) else ""
+            if name in self.tenants:
+                self.tenants[name].usage.rejected += 1
+            elif name in self.usage:
+                self.usage[name].rejected += 1
+                if not self.config.is_configured(name):
+                    self.other_usage.rejected += 1
             raise
         now = self.clock()
         if request.arrival_time is None:
@@ -69,6 +79,11 @@ class AdmissionMixin:
             raise InvalidRequest("prompt_token_ids: every token id must be an integer >= 0")
         if not isinstance(request.priority, int):
             raise InvalidRequest("priority: must be an integer")
+        if not isinstance(request.tenant, str) or not self.config.tenant_exists(request.tenant):
+            # before any other tenant check, so an invented name costs no table entry
+            raise InvalidRequest(
+                f"tenant: {request.tenant!r} is not a tenant here (an operator creates tenants)"
+            )
         n = len(prompt)
         if n + 1 > self.max_model_len:
             raise TooLong(
@@ -104,10 +119,11 @@ class AdmissionMixin:
             )
         tenant = self.tenants.get(request.tenant)
         queued = tenant.waiting if tenant is not None else 0  # no state yet: nothing queued
-        if limits.max_queued is not None and queued >= limits.max_queued:
+        max_queued = self.config.max_queued_of(request.tenant)
+        if max_queued is not None and queued >= max_queued:
             raise Quota(
                 f"tenant: {request.tenant!r} already has {queued} requests queued "
-                f"(max_queued {limits.max_queued})"
+                f"(max_queued {max_queued})"
             )
         if len(self.waiting) >= self.config.max_queued:
             raise Overloaded(f"queue: {len(self.waiting)} requests are already waiting")
@@ -139,7 +155,7 @@ class AdmissionMixin:
         request.num_computed_tokens = start
         if request.max_computed_tokens == 0:
             request.num_cached_tokens = start
-            tenant.cached_tokens += start
+            tenant.usage.cached_tokens += start
         request.state = PREFILLING
         self.running[request.request_id] = request
         self.prefilling[request.request_id] = request
@@ -166,10 +182,22 @@ class AdmissionMixin:
         tokens = request.all_token_ids
         while len(hashes) <= index:
             j = len(hashes)
-            hashes.append(
-                hash_block(hashes[j - 1] if j else None, tokens[j * size : (j + 1) * size])
-            )
+            parent = hashes[j - 1] if j else self._prefix_salt(request.tenant)
+            hashes.append(hash_block(parent, tokens[j * size : (j + 1) * size]))
         return hashes[index]
+
+    def _prefix_salt(self: Scheduler, tenant: str) -> bytes:
+        """Where a tenant's hash chain starts: its own salt unless it opted in to sharing.
+
+        With a salt per tenant, one tenant's prompt never matches blocks another tenant
+        computed, so `cached_tokens` cannot tell a tenant what others sent.
+        """
+        limits = self.config.tenant(tenant)
+        if limits.prefix_cache_group is not None:
+            return b"group:" + limits.prefix_cache_group.encode()
+        if limits.share_prefix_cache:
+            return b"shared"
+        return b"tenant:" + tenant.encode("utf-8", "surrogatepass")
 
     def _admission_allowed(self: Scheduler) -> bool:
         usage = self.block_manager.usage

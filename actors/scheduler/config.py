@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+DEFAULT_TENANT = "default"  # always exists: requests that name no tenant run as it
 POLICIES = ("fcfs", "priority", "srpt", "fair")
 ORDERS = ("decode_first", "prefill_first")
 ADMISSIONS = ("optimistic", "reserve")
@@ -28,10 +29,22 @@ class TenantConfig:
     max_queued: int | None = None  # requests waiting for admission at once
     max_context: int | None = None  # prompt + max_tokens of one request
     max_new_tokens: int | None = None  # max_tokens of one request
+    # prefix-cache hits reveal that someone sent the same text, so each tenant's hash chain
+    # starts from its own salt; tenants that opt in share one chain (`share_prefix_cache`
+    # with every other opted-in tenant, or `prefix_cache_group` with that group's members)
+    share_prefix_cache: bool = False
+    prefix_cache_group: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.weight) or self.weight <= 0:
             raise ConfigError(f"weight: must be > 0, got {self.weight!r}")
+        if not isinstance(self.share_prefix_cache, bool):
+            raise ConfigError(
+                f"share_prefix_cache: must be true or false, got {self.share_prefix_cache!r}"
+            )
+        group = self.prefix_cache_group
+        if group is not None and (not isinstance(group, str) or not group):
+            raise ConfigError(f"prefix_cache_group: must be a non-empty string, got {group!r}")
         for name in ("max_running", "max_queued", "max_context", "max_new_tokens"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
@@ -69,6 +82,12 @@ class SchedulerConfig:
     max_queued: int = 4096  # waiting requests over all tenants; past it -> overloaded
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     seed: int | None = None  # for the seeds drawn for unseeded requests (simulations)
+    # May a request name a tenant that is neither "default" nor in `tenants`? Open here, for
+    # the engine and simulations; the daemon closes it unless `[limits] open_tenants` is set,
+    # so a client cannot invent tenants (a heavier weight, fresh limits, unbounded tables).
+    open_tenants: bool = True
+    # waiting requests of a tenant whose own `max_queued` is unset; None: no cap
+    default_tenant_max_queued: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -114,9 +133,25 @@ class SchedulerConfig:
         for name, tenant in self.tenants.items():
             if not isinstance(tenant, TenantConfig):
                 raise ConfigError(f"tenants.{name}: must be a TenantConfig")
+        cap = self.default_tenant_max_queued
+        if cap is not None and (not _is_int(cap) or cap < 0):
+            raise ConfigError(f"default_tenant_max_queued: must be an integer >= 0, got {cap!r}")
 
     def tenant(self, name: str) -> TenantConfig:
-        return self.tenants.get(name) or _DEFAULT_TENANT
+        return self.tenants.get(name) or _DEFAULT_LIMITS
+
+    def is_configured(self, name: str) -> bool:
+        """A tenant the config or an operator created (not one a client merely named)."""
+        return name == DEFAULT_TENANT or name in self.tenants
+
+    def tenant_exists(self, name: str) -> bool:
+        """Whether a request may name this tenant: "default", a configured one, or any if open."""
+        return self.open_tenants or self.is_configured(name)
+
+    def max_queued_of(self, name: str) -> int | None:
+        """The queue cap of a tenant: its own `max_queued`, else the default cap."""
+        own = self.tenant(name).max_queued
+        return own if own is not None else self.default_tenant_max_queued
 
     @property
     def aging_seconds(self) -> float:
@@ -180,4 +215,4 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_DEFAULT_TENANT = TenantConfig()
+_DEFAULT_LIMITS = TenantConfig()

@@ -5,7 +5,8 @@ result) -> [RequestOutput]`. One rule covers every kind of work: each step a req
 computed tokens catch up with its known tokens (prompt + generated), so a prefill chunk, a
 prefix-cache hit, a recompute after preemption and a decode differ only in their numbers.
 Lifecycle operations outside a step (abort, pause, requeue) are in `lifecycle.py`; checks and
-snapshots in `inspection.py`.
+snapshots in `inspection.py`. After a lost worker, a plan may be limited to one group of
+suspects (`bisection.py` says which) so that the request that kills the worker is found.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from sluice.actors.scheduler.admission import AdmissionMixin
+from sluice.actors.scheduler.bisection import PoisonBisection
 from sluice.actors.scheduler.block_manager import BlockManager
 from sluice.actors.scheduler.config import SchedulerConfig
 from sluice.actors.scheduler.inspection import InspectionMixin
@@ -26,7 +28,12 @@ from sluice.actors.scheduler.plan import (
     StepPlan,
     StepResult,
 )
-from sluice.actors.scheduler.policy import TenantState, make_policy, preemption_key
+from sluice.actors.scheduler.policy import (
+    TenantState,
+    TenantUsage,
+    make_policy,
+    preemption_key,
+)
 from sluice.actors.scheduler.request import Request, RequestState
 from sluice.actors.scheduler.wait_queue import WaitQueue
 
@@ -56,7 +63,11 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
         self.prefilling: dict[str, Request] = {}  # the prefilling subset of `running`
         self.paused: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # every request not yet ended
-        self.tenants: dict[str, TenantState] = {}
+        self.tenants: dict[str, TenantState] = {}  # tenants with live requests only
+        # what each tenant that ever ran has used, as of when it last went idle (metrics and
+        # billing read it); `tenant_usage(name)` adds what an active tenant used since
+        self.usage: dict[str, TenantUsage] = {}
+        self.other_usage = TenantUsage()  # the same summed over idle client-named tenants
         self.recently_ended: OrderedDict[str, Request] = OrderedDict()
         self.num_preemptions = 0
         self.num_rejected = 0
@@ -74,6 +85,8 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
         self._planned_prefill = self._planned_decodes = 0
         self.last_step: dict[str, float] = {}  # composition of the latest plan, for snapshots
         self._iteration_seconds = 0.0  # between the last two schedule() calls, for aging
+        self.bisection = PoisonBisection()  # who may have killed the worker, and who runs next
+        self._probe: frozenset[str] | None = None  # the suspects this plan is limited to
 
     # -- planning -------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -88,6 +101,26 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
         self._budget = float(cfg.token_budget)
         self._planned_prefill = self._planned_decodes = 0
         self._preemptions_at_start = self.num_preemptions
+        self._probe = self.bisection.probe_group(self.requests)
+        self._plan_in_order(now)
+        if self._probe is not None and not self._seqs:
+            # the suspects cannot run now (no KV for them): let the others run and free some
+            self._probe = None
+            self._plan_in_order(now)
+        self._probe = None
+        plan = StepPlan(step_id=self._step_id, seqs=list(self._seqs.values()))
+        self._seqs = {}
+        self.last_step = {
+            "seqs": len(plan.seqs),
+            "prefill_tokens": self._planned_prefill,
+            "decode_tokens": self._planned_decodes,
+            "budget_used": cfg.token_budget - self._budget,
+            "token_budget": cfg.token_budget,
+        }
+        return plan
+
+    def _plan_in_order(self, now: float) -> None:
+        cfg = self.config
         if cfg.order == "decode_first":
             self._schedule_decodes()
             self._schedule_prefills(now)
@@ -100,16 +133,19 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
             self._schedule_prefills(now)
             self._budget += held_back
             self._schedule_decodes()
-        plan = StepPlan(step_id=self._step_id, seqs=list(self._seqs.values()))
-        self._seqs = {}
-        self.last_step = {
-            "seqs": len(plan.seqs),
-            "prefill_tokens": self._planned_prefill,
-            "decode_tokens": self._planned_decodes,
-            "budget_used": cfg.token_budget - self._budget,
-            "token_budget": cfg.token_budget,
-        }
-        return plan
+
+    def _may_plan(self, request: Request) -> bool:
+        """While a suspect group is probed only its members run; else everyone but suspects."""
+        if self._probe is not None:
+            return request.request_id in self._probe
+        suspects = self.bisection.suspects
+        return not suspects or request.request_id not in suspects
+
+    def _next_probe_admission(self) -> Request | None:
+        """The queued member of the probed group that arrived first."""
+        members = (self.requests.get(rid) for rid in self._probe or ())
+        queued = [r for r in members if r is not None and r.in_queue]
+        return min(queued, key=preemption_key, default=None)
 
     def _schedule_decodes(self) -> None:
         w_d = self.config.decode_weight
@@ -122,7 +158,7 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
         for request in candidates:
             if self._budget < w_d:
                 break
-            if request.state is not DECODING:
+            if request.state is not DECODING or not self._may_plan(request):
                 continue
             start = request.num_computed_tokens
             if start >= len(request.all_token_ids):  # the toy mode's first decode
@@ -142,7 +178,11 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
         for request in self.policy.prefill_order(list(self.prefilling.values()), self.tenants):
             if self._budget < w_p:
                 return
-            if request.state is PREFILLING and request.request_id not in self._seqs:
+            if (
+                request.state is PREFILLING
+                and request.request_id not in self._seqs
+                and self._may_plan(request)
+            ):
                 self._schedule_chunk(request, may_preempt=True)
         while (
             len(self.prefilling) < cfg.max_prefilling
@@ -153,9 +193,14 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
             and self.num_preemptions == self._preemptions_at_start
             and self._admission_allowed()
         ):
-            request = self.waiting.select(
-                now, self.tenants, self._tenant_may_run, self._iteration_seconds
-            )
+            if self._probe is not None:
+                request = self._next_probe_admission()
+            else:
+                request = self.waiting.select(
+                    now, self.tenants, self._tenant_may_run, self._iteration_seconds
+                )
+                if request is not None and not self._may_plan(request):
+                    return  # a suspect is next in line: it waits for its probe
             if request is None or not self._admit(request, now):
                 return
 
@@ -261,17 +306,18 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
             if request is None or request.scheduled_step != step_id or not request.block_ids:
                 continue  # ended, preempted or requeued since it was planned
             tenant = self.tenants[request.tenant]
+            usage = tenant.usage
             start = seq.start_pos
             end = start + len(seq.token_ids)
             if not request.last_chunk_was_decode:
                 recomputed = max(0, min(end, request.max_computed_tokens) - start)
                 fresh = end - start - recomputed
                 request.num_recomputed_tokens += recomputed
-                tenant.recomputed_tokens += recomputed
+                usage.recomputed_tokens += recomputed
                 request.num_prefill_tokens += fresh
-                tenant.prefill_tokens += fresh
+                usage.prefill_tokens += fresh
                 charge = cost_p * fresh
-                tenant.service += charge
+                usage.service += charge
                 tenant.virtual_time += charge / tenant.config.weight
             if end > request.num_computed_tokens:
                 request.num_computed_tokens = end
@@ -293,8 +339,8 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
             request.output_token_ids.append(token_id)
             request.all_token_ids.append(token_id)
             request.num_decode_tokens += 1
-            tenant.decode_tokens += 1
-            tenant.service += cost_d
+            usage.decode_tokens += 1
+            usage.service += cost_d
             tenant.virtual_time += cost_d / tenant.config.weight
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -315,6 +361,7 @@ class Scheduler(AdmissionMixin, LifecycleMixin, InspectionMixin):
             if request.sampling.logprobs is not None:
                 output.logprobs = [token]
             outputs.append(output)
+        self.bisection.step_done(plan, self.requests)
         return outputs
 
     def _mark_decoding(self, request: Request, now: float) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from sluice.actors.scheduler.config import DEFAULT_TENANT
+from sluice.actors.scheduler.policy import TenantUsage
 from sluice.actors.scheduler.request import RequestState
 
 if TYPE_CHECKING:
@@ -79,16 +81,23 @@ class InspectionMixin:
         if sum(owners.values()) != sum(bm.ref_count(b) for b in range(bm.num_total_blocks)):
             orphans = [b for b in range(bm.num_total_blocks) if bm.ref_count(b) and b not in owners]
             problems.append(f"referenced blocks owned by no live request: {orphans[:8]}")
-        for tenant in self.tenants.values():
-            live = [r for r in self.requests.values() if r.tenant == tenant.name]
-            waiting = sum(r.in_queue for r in live)
-            running = sum(r.request_id in self.running for r in live)
-            if (tenant.live, tenant.waiting, tenant.running) != (len(live), waiting, running):
+        actual: dict[str, list[int]] = {}
+        for request in self.requests.values():
+            counts = actual.setdefault(request.tenant, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += request.in_queue
+            counts[2] += request.request_id in self.running
+        for name in set(actual) | set(self.tenants):
+            tenant = self.tenants.get(name)
+            counted = [tenant.live, tenant.waiting, tenant.running] if tenant else [0, 0, 0]
+            if counted != actual.get(name, [0, 0, 0]) or (tenant and not tenant.live):
                 problems.append(
-                    f"tenant {tenant.name}: counters live/waiting/running "
-                    f"{tenant.live}/{tenant.waiting}/{tenant.running}, "
-                    f"actual {len(live)}/{waiting}/{running}"
+                    f"tenant {name}: counters live/waiting/running {counted}, "
+                    f"actual {actual.get(name, [0, 0, 0])} (an idle tenant keeps no state)"
                 )
+        stale = self.waiting.tenants - {n for n, c in actual.items() if c[1]}
+        if stale:
+            problems.append(f"wait queue keeps heaps of tenants with nothing queued: {stale}")
         if problems:
             raise AssertionError("scheduler inconsistent: " + "; ".join(problems))
 
@@ -100,6 +109,7 @@ class InspectionMixin:
         for request in self.requests.values():
             per_tenant_state.setdefault(request.tenant, Counter())[request.state.value] += 1
         cfg = self.config
+        shown = {DEFAULT_TENANT, *cfg.tenants, *self.tenants}
         return {
             "step": self._step_id,
             "queues": {
@@ -126,29 +136,34 @@ class InspectionMixin:
             "rejected": self.num_rejected,
             "ended": dict(self.ended_by_reason),
             "policy": cfg.policy,
-            "tenants": {
-                name: {
-                    "weight": t.config.weight,
-                    "limits": {
-                        "max_running": t.config.max_running,
-                        "max_queued": t.config.max_queued,
-                        "max_context": t.config.max_context,
-                        "max_new_tokens": t.config.max_new_tokens,
-                    },
-                    "queues": dict(per_tenant_state.get(name, {})),
-                    "waiting": t.waiting,
-                    "running": t.running,
-                    "service": t.service,
-                    "virtual_time": t.virtual_time,
-                    "prefill_tokens": t.prefill_tokens,
-                    "decode_tokens": t.decode_tokens,
-                    "cached_tokens": t.cached_tokens,
-                    "recomputed_tokens": t.recomputed_tokens,
-                    "preemptions": t.preemptions,
-                    "kv_block_seconds": t.kv_block_seconds,
-                    "finished": t.finished,
-                    "rejected": t.rejected,
-                }
-                for name, t in self.tenants.items()
-            },
+            "tenants": {name: self._tenant_stats(name, per_tenant_state) for name in shown},
+            # client-named tenants (open_tenants) that are idle, summed: one entry however
+            # many names clients invented, so snapshots and metric labels stay bounded
+            "other_tenants": _usage_dict(self.other_usage),
         }
+
+    def _tenant_stats(
+        self: Scheduler, name: str, per_tenant_state: dict[str, Counter[str]]
+    ) -> dict[str, Any]:
+        limits = self.config.tenant(name)
+        state = self.tenants.get(name)
+        return {
+            "weight": limits.weight,
+            "limits": {
+                "max_running": limits.max_running,
+                "max_queued": self.config.max_queued_of(name),
+                "max_context": limits.max_context,
+                "max_new_tokens": limits.max_new_tokens,
+            },
+            # set up by the config or an operator (not only named by a client)
+            "configured": self.config.is_configured(name),
+            "queues": dict(per_tenant_state.get(name, {})),
+            "waiting": state.waiting if state else 0,
+            "running": state.running if state else 0,
+            "virtual_time": state.virtual_time if state else 0.0,
+            **_usage_dict(self.tenant_usage(name)),
+        }
+
+
+def _usage_dict(usage: TenantUsage) -> dict[str, Any]:
+    return {name: getattr(usage, name) for name in TenantUsage.__slots__}

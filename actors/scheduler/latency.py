@@ -15,7 +15,8 @@ class LatencyLog:
 
     Keeps the latest samples for percentiles; `observers` get each sample as it happens
     (`(kind, value, tenant)`, kind `ttft`, `itl`, `iteration`, `decode_batch` or
-    `prefill_chunk`), which is how metrics histograms fill.
+    `prefill_chunk`), which is how metrics histograms fill. The tenant is "" for a tenant no
+    config or operator created, so label sets stay bounded whatever names clients invent.
     """
 
     def __init__(self, keep: int = 2048):
@@ -35,10 +36,11 @@ class LatencyLog:
                 self.output_tokens += n
                 self.tokens.append((now, n))
                 previous = self.last_token.get(out.request_id)
+                tenant = request.tenant if core.config.is_configured(request.tenant) else ""
                 if previous is None:
-                    self._observe("ttft", now - (request.arrival_time or now), request.tenant)
+                    self._observe("ttft", now - (request.arrival_time or now), tenant)
                 else:
-                    self._observe("itl", (now - previous) / n, request.tenant)
+                    self._observe("itl", (now - previous) / n, tenant)
                 self.last_token[out.request_id] = now
             if out.finished:
                 self.last_token.pop(out.request_id, None)

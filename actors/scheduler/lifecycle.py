@@ -10,8 +10,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from sluice.actors.scheduler.config import TenantConfig
-from sluice.actors.scheduler.plan import RequestOutput
-from sluice.actors.scheduler.policy import TenantState
+from sluice.actors.scheduler.plan import RequestOutput, StepPlan
+from sluice.actors.scheduler.policy import TenantState, TenantUsage
 from sluice.actors.scheduler.request import FAILED_REASONS, Request, RequestState
 
 if TYPE_CHECKING:
@@ -84,6 +84,20 @@ class LifecycleMixin:
         self._admission_open = True
         return requeued
 
+    def charge_lost_step(
+        self: Scheduler, plan: StepPlan | None, max_losses: int
+    ) -> list[RequestOutput]:
+        """The worker died during `plan` (after `requeue_all`): suspect its requests.
+
+        They are bisected in later plans (see `bisection.py`); a request that was alone in
+        `max_losses` lost steps ends with "error", so it cannot hold the daemon in a restart
+        loop, while the requests batched with it go on.
+        """
+        if plan is None:
+            return []
+        failed = self.bisection.step_lost(plan, self.requests, max_losses)
+        return [self._end(self.requests[rid], "error", RequestState.FAILED) for rid in failed]
+
     def has_unfinished(self: Scheduler) -> bool:
         return bool(self.requests)
 
@@ -99,20 +113,48 @@ class LifecycleMixin:
         tenants = dict(self.config.tenants)
         tenants[name] = tenant
         self.config = dataclasses.replace(self.config, tenants=tenants)
-        self._tenant(name).config = tenant
+        if name in self.tenants:  # an idle tenant picks its config up when it becomes active
+            self.tenants[name].config = tenant
 
     # -- internals --------------------------------------------------------------------------
     def _tenant(self: Scheduler, name: str) -> TenantState:
+        """The scheduling state of a tenant, created (as idle) if it has none."""
         tenant = self.tenants.get(name)
         if tenant is None:
-            tenant = self.tenants[name] = TenantState(name, self.config.tenant(name))
+            if name not in self.usage:
+                self.usage[name] = TenantUsage()
+            config = self.config.tenant(name)
+            tenant = self.tenants[name] = TenantState(name, config, TenantUsage())
         return tenant
+
+    def tenant_usage(self: Scheduler, name: str) -> TenantUsage:
+        """All a tenant has used so far: its record plus what it used since it became active."""
+        total = TenantUsage()
+        if name in self.usage:
+            total.add(self.usage[name])
+        if name in self.tenants:
+            total.add(self.tenants[name].usage)
+        return total
 
     def _activate(self: Scheduler, tenant: TenantState) -> None:
         if tenant.live == 0:
             active = [t for t in self.tenants.values() if t.live > 0]
             self.policy.on_tenant_active(tenant, active)
         tenant.live += 1
+
+    def _retire(self: Scheduler, tenant: TenantState) -> None:
+        """A tenant's last live request ended: drop its scheduling state, keep its usage.
+
+        This is what keeps a flood of one-off tenant names from slowing every later step; the
+        fair policy starts a returning tenant at the current minimum counter anyway, so the
+        dropped virtual counter carried no credit worth keeping. What it used is added to its
+        record here, and for a tenant only a client named to the sum of such tenants, which
+        keeps `stats()` from summing every name ever seen.
+        """
+        del self.tenants[tenant.name]
+        self.usage[tenant.name].add(tenant.usage)
+        if not self.config.is_configured(tenant.name):
+            self.other_usage.add(tenant.usage)
 
     def _enqueue(self: Scheduler, request: Request) -> None:
         self.waiting.push(request)
@@ -156,7 +198,7 @@ class LifecycleMixin:
         if request.block_ids:
             cost = len(request.block_ids) * (now - request.kv_since)
             request.kv_block_seconds += cost
-            self.tenants[request.tenant].kv_block_seconds += cost
+            self.tenants[request.tenant].usage.kv_block_seconds += cost
         request.kv_since = now
 
     def _preempt(self: Scheduler, request: Request) -> None:
@@ -164,7 +206,7 @@ class LifecycleMixin:
         self._drop_kv(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.tenants[request.tenant].preemptions += 1
+        self.tenants[request.tenant].usage.preemptions += 1
         if request.state is PAUSED:
             request.resume_state = PREEMPTED
             return
@@ -180,9 +222,12 @@ class LifecycleMixin:
         request.num_computed_tokens = computed  # kept for inspection of the ended request
         rid = request.request_id
         del self.requests[rid]
+        self.bisection.forget(rid)
         tenant = self.tenants[request.tenant]
         tenant.live -= 1
-        tenant.finished += 1
+        tenant.usage.finished += 1
+        if tenant.live == 0:
+            self._retire(tenant)
         request.state = state
         request.finish_reason = reason
         request.finish_time = self.clock()

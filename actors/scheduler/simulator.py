@@ -48,19 +48,18 @@ class SimulationResult:
     end_time: float
 
     def to_dict(self) -> dict[str, Any]:
-        stats = self.scheduler.stats()["tenants"]
         config = self.scheduler.config
         tenants = {}
         for name in sorted({t.tenant for t in self.requests.values()}):
-            t = stats.get(name, {})
+            t = self.scheduler.tenant_usage(name)
             tenants[name] = {
                 "weight": config.tenant(name).weight,
-                "prefill_tokens": t.get("prefill_tokens", 0),
-                "decode_tokens": t.get("decode_tokens", 0),
-                "service": t.get("service", 0.0),
-                "preemptions": t.get("preemptions", 0),
-                "recomputed_tokens": t.get("recomputed_tokens", 0),
-                "cached_tokens": t.get("cached_tokens", 0),
+                "prefill_tokens": t.prefill_tokens,
+                "decode_tokens": t.decode_tokens,
+                "service": t.service,
+                "preemptions": t.preemptions,
+                "recomputed_tokens": t.recomputed_tokens,
+                "cached_tokens": t.cached_tokens,
             }
         requests = {}
         ttfts, gaps = [], []

@@ -2,8 +2,10 @@
 
 One heap per tenant, ordered by the policy's key, plus one heap by arrival for aging. Removal
 is lazy: a request's `queue_epoch` changes when it leaves, which makes its old entries stale;
-stale entries are dropped when they reach a heap's top. Picking the next request therefore
-costs O(tenants + log n), never a scan of the queue.
+stale entries are dropped when they reach a heap's top, and a heap that holds more stale
+entries than live ones is rebuilt. A tenant has a heap only while it has a request queued, so
+picking the next request costs O(tenants with queued requests + log n), however many tenant
+names have ever been seen, and never a scan of the queue.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ class WaitQueue:
     def __init__(self, policy: Policy, max_wait: float):
         self.policy = policy
         self.max_wait = max_wait
-        self._heaps: dict[str, list[_Entry]] = {}
+        self._heaps: dict[str, list[_Entry]] = {}  # only tenants with a request queued
+        self._queued: dict[str, int] = {}  # queued requests per tenant, same keys as _heaps
         self._by_arrival: list[_Entry] = []
         self._tie = itertools.count()
         self._size = 0
@@ -40,6 +43,7 @@ class WaitQueue:
         request.in_queue = True
         tie = next(self._tie)
         heap = self._heaps.setdefault(request.tenant, [])
+        self._queued[request.tenant] = self._queued.get(request.tenant, 0) + 1
         heapq.heappush(heap, (self.policy.key(request), tie, request.queue_epoch, request))
         if self.max_wait != float("inf"):
             heapq.heappush(
@@ -53,6 +57,29 @@ class WaitQueue:
         request.in_queue = False
         request.queue_epoch += 1
         self._size -= 1
+        tenant = request.tenant
+        left = self._queued[tenant] - 1
+        if left == 0:  # the tenant's last queued request: its heap holds only stale entries
+            del self._queued[tenant], self._heaps[tenant]
+        else:
+            self._queued[tenant] = left
+            heap = self._heaps[tenant]
+            if len(heap) > 2 * left + 16:
+                self._heaps[tenant] = self._live_entries(heap)
+        if len(self._by_arrival) > 2 * self._size + 16:
+            self._by_arrival = self._live_entries(self._by_arrival)
+
+    @property
+    def tenants(self) -> frozenset[str]:
+        """Tenants with at least one request queued (the ones the queue keeps a heap for)."""
+        return frozenset(self._heaps)
+
+    @staticmethod
+    def _live_entries(heap: list[_Entry]) -> list[_Entry]:
+        """A heap without its stale entries: stale ones otherwise pile up under a live top."""
+        live = [e for e in heap if e[3].in_queue and e[3].queue_epoch == e[2]]
+        heapq.heapify(live)
+        return live
 
     def select(
         self,

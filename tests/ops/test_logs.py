@@ -20,9 +20,11 @@ MARKER = "qzv-PRIVATE-7731"
 
 async def test_a_marked_load_leaves_no_trace_of_its_text_in_the_logs(sluiced, tmp_path) -> None:
     log = tmp_path / "sluiced.log"
+    config = tmp_path / "sluiced.toml"
+    config.write_text("[limits]\nopen_tenants = true\n")  # the client names its own tenant
     process, fields = sluiced(["--executor", "null", "--listen", "tcp://127.0.0.1:0",
                                "--control", f"ipc://{tmp_path}/control.sock",
-                               "--log-level", "debug"], log=log)
+                               "--config", str(config), "--log-level", "debug"], log=log)
     with trio.fail_after(60):
         async with AsyncClient(fields["listen"], tenant=f"t-{MARKER[:3]}") as client:
             for i in range(4):

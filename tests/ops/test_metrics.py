@@ -34,7 +34,7 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 async def test_metrics_under_load_match_the_snapshot(null_daemon) -> None:
-    handle = await null_daemon(metrics_port=0)
+    handle = await null_daemon(metrics_port=0, scheduler={"tenants": {"a": {}}})
     port = handle.daemon.metrics_port
     with trio.fail_after(60):
         async with AsyncClient(handle.listen, credit_window=1) as slow, \

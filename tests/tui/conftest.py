@@ -16,7 +16,7 @@ def console_daemon(tmp_path_factory):
     from sluice.ipc.control import fetch_status_sync
 
     folder = tmp_path_factory.mktemp("console")
-    process, listen, control = start_console_daemon(folder)
+    process, listen, control = start_console_daemon(folder, extra="[scheduler.tenants.alpha]\n")
     yield listen, control
     report = fetch_status_sync(control, check_invariants=True)
     process.send_signal(signal.SIGTERM)

@@ -131,8 +131,8 @@ def test_preempted_request_recomputes_and_keeps_its_tokens(make_sched):
     assert len(tokens["a"]) == 6 and len(tokens["b"]) == 6
     assert b.output_token_ids == tokens["b"]
     assert b.num_recomputed_tokens > 0
-    assert sched.stats()["tenants"]["t"]["recomputed_tokens"] == b.num_recomputed_tokens
-    assert sched.stats()["tenants"]["t"]["preemptions"] == b.num_preemptions
+    assert sched.usage["t"].recomputed_tokens == b.num_recomputed_tokens
+    assert sched.usage["t"].preemptions == b.num_preemptions
     assert sched.block_manager.num_used_blocks == 0
 
 
@@ -222,7 +222,7 @@ def test_kv_block_seconds_are_charged_to_request_and_tenant(make_sched, clock):
     clock.now = 15.0
     sched.abort("a")
     assert sched.get_request("a").kv_block_seconds == 2 * 10.0 + 3 * 5.0
-    assert sched.stats()["tenants"]["t"]["kv_block_seconds"] == 35.0
+    assert sched.usage["t"].kv_block_seconds == 35.0
 
 
 def test_last_step_reports_the_batch_composition(make_sched):
