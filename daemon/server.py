@@ -105,7 +105,8 @@ class Daemon:
 
             def make_stream(connection: bytes) -> Stream:
                 return Stream(connection, config=cfg.stream, codec=codec, gateway=gateway_inbox,
-                              tokenizer=self.tokenizer.inbox, scheduler=scheduler_inbox)
+                              tokenizer=self.tokenizer.inbox, scheduler=scheduler_inbox,
+                              limits=cfg.limits)
 
             model_name = "embedded:" + self.model_path.name if cfg.model is None else str(cfg.model)
             if cfg.executor == "null":
@@ -113,6 +114,9 @@ class Daemon:
             self.gateway = Gateway(cfg.listen, codec=client_codec, supervisor=self.supervisor,
                                    make_stream=make_stream,
                                    info=m.ServerInfo(m.PROTOCOL_VERSION, model_name, max_model_len),
+                                   limits=cfg.limits,
+                                   heartbeat_interval=cfg.stream.heartbeat_interval,
+                                   heartbeat_timeout=cfg.stream.heartbeat_timeout,
                                    inbox=gateway_inbox,
                                    curve_secret_key=cfg.auth.server_secret_key,
                                    tenant_keys={key: tenant
