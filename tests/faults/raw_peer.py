@@ -21,10 +21,17 @@ server_codec = Codec(m.SERVER_MESSAGES)
 
 
 class RawPeer:
-    def __init__(self, address: str, identity: bytes | None = None):
+    def __init__(self, address: str, identity: bytes | None = None, *,
+                 curve: tuple[bytes, bytes, bytes] | None = None):
+        """`curve`: (server public key, this client's public key, its secret key)."""
         self.identity = identity or os.urandom(8)
         self.socket = Socket(zmq.DEALER)
         self.socket.zmq.setsockopt(zmq.ROUTING_ID, self.identity)
+        if curve is not None:
+            server, public, secret = curve
+            self.socket.zmq.curve_serverkey = server
+            self.socket.zmq.curve_publickey = public
+            self.socket.zmq.curve_secretkey = secret
         self.socket.connect(address)
         self._queue: list[Any] = []  # unpacked from a batch, not yet handed out
 
