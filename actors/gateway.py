@@ -24,7 +24,6 @@ is bound to the key that opened it (a frame for it under another key is refused)
 
 from __future__ import annotations
 
-import errno
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -34,7 +33,7 @@ import trio
 import zmq
 from zmq.utils import z85
 
-from sluice.actors.base import Actor, Handler, Inbox, Outboxes
+from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outboxes
 from sluice.actors.limits import Limits
 from sluice.actors.peers import PeerBook
 from sluice.actors.stream import Stream
@@ -45,8 +44,6 @@ from sluice.ipc.sockets import PeerFull, PeerGone, Socket
 
 log = structlog.get_logger("sluice.gateway")
 
-# errors of one message that needed a resource the process is out of; the daemon goes on
-_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _FORGOTTEN = ("this connection was dropped because it did not read what it was sent; "
               "its requests ended")
 
@@ -178,16 +175,7 @@ class Gateway(Actor):
             log.warning("client forgotten", connection=identity.hex(), why="does not read")
         stream = self.streams.get(identity)
         if stream is not None:
-            self._tell(stream, m.ClientGone(identity))
-
-    def _tell(self, stream: Stream, msg: Any) -> None:
-        try:  # the first put to an inbox opens a socket: it can find no descriptor left
-            stream.inbox.put(msg)
-        except zmq.ZMQError as exc:
-            if exc.errno not in _RESOURCE_ERRNOS:
-                raise
-            log.error("message to a stream lost", connection=stream.connection.hex(),
-                      type=type(msg).__name__, error=exc.strerror)
+            stream.inbox.put(m.ClientGone(identity))
 
     # -- from actors ------------------------------------------------------------------------
 
@@ -197,7 +185,7 @@ class Gateway(Actor):
         if stream is not None:
             # from now on the connection's frames open a fresh stream; the closed one refuses
             # what was routed to it before this answer, then ends
-            self._tell(stream, m.StreamClosed(msg.connection))
+            stream.inbox.put(m.StreamClosed(msg.connection))
 
     async def on_drain(self, msg: m.Drain) -> None:
         self.draining = True
@@ -231,7 +219,7 @@ class Gateway(Actor):
             try:
                 await self._take(frames[0], frames[1:], key)
             except zmq.ZMQError as exc:
-                if exc.errno not in _RESOURCE_ERRNOS:
+                if exc.errno not in RESOURCE_ERRNOS:
                     raise
                 log.error("client frame dropped", connection=frames[0].hex(), error=exc.strerror)
                 self.peers.dropped_frames += 1
@@ -271,7 +259,7 @@ class Gateway(Actor):
             stream = await self._open_stream(identity, msg, key)
             if stream is None:
                 return
-        self._tell(stream, msg)
+        stream.inbox.put(msg)
 
     async def _take_forgotten(self, identity: bytes) -> None:
         """A forgotten peer's frame: dropped, or now and then answered to see if it reads."""
@@ -288,7 +276,7 @@ class Gateway(Actor):
         its first holder is connected, so that client is gone: its stream ends, and nothing
         of it is handed to the newcomer, who may open its own once the old one closed."""
         log.warning("routing id reused by another key", connection=identity.hex())
-        self._tell(stream, m.ClientGone(identity))
+        stream.inbox.put(m.ClientGone(identity))
         await self._reply(identity, m.Rejected(getattr(msg, "request_id", ""),
                                               m.RejectCode.UNAUTHORIZED,
                                               "this connection id belongs to another client",
@@ -303,7 +291,7 @@ class Gateway(Actor):
             try:
                 stream = self.make_stream(identity)
             except zmq.ZMQError as exc:
-                if exc.errno not in _RESOURCE_ERRNOS:
+                if exc.errno not in RESOURCE_ERRNOS:
                     raise
                 why = "the daemon has no file descriptor left for another connection"
             else:
@@ -322,7 +310,7 @@ class Gateway(Actor):
         # each stream fails its requests and reports StreamClosed, which the restarted
         # gateway handles like any other close
         for stream in self.streams.values():
-            self._tell(stream, m.FailAll(f"gateway failed: {type(exc).__name__}"))
+            stream.inbox.put(m.FailAll(f"gateway failed: {type(exc).__name__}"))
 
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect
