@@ -34,7 +34,7 @@ import zmq
 from zmq.utils import z85
 
 from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outboxes
-from sluice.actors.limits import Limits
+from sluice.actors.limits import Limits, clip
 from sluice.actors.peers import PeerBook
 from sluice.actors.stream import Stream
 from sluice.actors.supervisor import Supervisor
@@ -109,6 +109,10 @@ class Gateway(Actor):
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
         router.setsockopt(zmq.HANDSHAKE_IVL, timeout)
 
+    def _shown(self, identity: bytes) -> str:
+        """A routing id as a log may show it: the client chose it, so it is clipped."""
+        return clip(identity.hex(), self.limits)
+
     def teardown(self) -> None:
         self.socket.close()
         if self.zap is not None:
@@ -172,7 +176,8 @@ class Gateway(Actor):
     def _lost(self, identity: bytes, exc: PeerGone) -> None:
         """A send failed: a full peer is forgotten; either way its stream ends."""
         if isinstance(exc, PeerFull) and self.peers.forget(identity, trio.current_time()):
-            log.warning("client forgotten", connection=identity.hex(), why="does not read")
+            log.warning("client forgotten", connection=self._shown(identity),
+                        why="does not read")
         stream = self.streams.get(identity)
         if stream is not None:
             stream.inbox.put(m.ClientGone(identity))
@@ -221,7 +226,8 @@ class Gateway(Actor):
             except zmq.ZMQError as exc:
                 if exc.errno not in RESOURCE_ERRNOS:
                     raise
-                log.error("client frame dropped", connection=frames[0].hex(), error=exc.strerror)
+                log.error("client frame dropped", connection=self._shown(frames[0]),
+                          error=exc.strerror)
                 self.peers.dropped_frames += 1
 
     async def _take(self, identity: bytes, parts: list[bytes], key: str | None) -> None:
@@ -269,13 +275,13 @@ class Gateway(Actor):
         if await self._reply(identity, m.Rejected("", m.RejectCode.OVERLOADED, _FORGOTTEN,
                                                   "connection")):
             self.peers.remember(identity)  # it took a frame again: it reads, or reconnected
-            log.info("client remembered", connection=identity.hex())
+            log.info("client remembered", connection=self._shown(identity))
 
     async def _take_over_refused(self, identity: bytes, stream: Stream, msg: Any) -> None:
         """Another key uses a live stream's routing id. ZeroMQ refuses a duplicate id while
         its first holder is connected, so that client is gone: its stream ends, and nothing
         of it is handed to the newcomer, who may open its own once the old one closed."""
-        log.warning("routing id reused by another key", connection=identity.hex())
+        log.warning("routing id reused by another key", connection=self._shown(identity))
         stream.inbox.put(m.ClientGone(identity))
         await self._reply(identity, m.Rejected(getattr(msg, "request_id", ""),
                                               m.RejectCode.UNAUTHORIZED,
@@ -301,7 +307,7 @@ class Gateway(Actor):
                 await self.supervisor.start_child(stream, transient=True)
                 return stream
         self.peers.refused_connections += 1
-        log.debug("connection refused", connection=identity.hex(), why=why)
+        log.debug("connection refused", connection=self._shown(identity), why=why)
         await self._reply(identity, m.Rejected(getattr(msg, "request_id", ""),
                                               m.RejectCode.OVERLOADED, why, "connections"))
         return None

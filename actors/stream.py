@@ -26,7 +26,7 @@ import structlog
 import trio
 
 from sluice.actors.base import Actor, Handler, Outbox
-from sluice.actors.limits import Limits
+from sluice.actors.limits import Limits, clip
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
 
@@ -202,7 +202,8 @@ class Stream(Actor):
         self.requests.clear()
         if release and rids:
             self.scheduler.put(m.Release(rids, m.FinishReason.CANCELLED))
-        log.info("client gone", connection=self.connection.hex(), why=why, released=len(rids))
+        log.info("client gone", connection=clip(self.connection.hex(), self.limits), why=why,
+                 released=len(rids))
         self.gateway.put(m.StreamClosed(self.connection))
 
     async def _timers(self) -> None:

@@ -2,7 +2,7 @@
 
 The Executor starts first, because the pool it reports (blocks, block size, context) sizes
 the scheduler core; then the Scheduler, Tokenizer, Gateway and Control. Streams are started
-by the Gateway, one per connection. `Daemon.run` returns when the daemon was drained and
+by the Gateway, one per connection, as transient children (a crash never escalates). `Daemon.run` returns when the daemon was drained and
 stopped; an `Escalation` from the supervisor propagates (the process exits non-zero).
 """
 
