@@ -268,6 +268,14 @@ class AsyncClient:
             while self._info_waiters:
                 self._info_waiters.pop(0).send_nowait(msg)
             return
+        if (isinstance(msg, m.Rejected) and not msg.request_id and msg.field == "connection"
+                and msg.code is m.RejectCode.OVERLOADED):
+            # the daemon had forgotten this connection (it did not read) and ended its
+            # requests; it serves it again from here on
+            for rid, pending in list(self._pending.items()):
+                pending.send.send_nowait(m.Error(rid, msg.message))
+                pending.send.send_nowait(m.Finished(rid, m.FinishReason.ERROR))
+            return
         pending = self._pending.get(getattr(msg, "request_id", ""))
         if pending is not None:
             pending.send.send_nowait(msg)
