@@ -11,6 +11,7 @@ owned requests can release them. Supervision itself lives in `supervisor.py`.
 
 from __future__ import annotations
 
+import errno
 import itertools
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -32,6 +33,8 @@ Handler = Callable[[Any], Awaitable[None]]
 CODEC = InternalCodec([*dataclasses_of(m), *dataclasses_of(plan)])
 _addresses = itertools.count()
 _FAIR_SHARE = 16  # messages an actor takes in a row before it lets other tasks run
+# errors of an operation that needed a resource the process is out of (a socket's descriptor)
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 class Outbox:
@@ -54,7 +57,17 @@ class Outbox:
         if self._closed:
             return
         if self._socket is None:
-            self._socket = context().socket(zmq.PUSH)
+            try:
+                self._socket = context().socket(zmq.PUSH)
+            except zmq.ZMQError as exc:
+                if exc.errno not in RESOURCE_ERRNOS:
+                    raise
+                # out of descriptors: this message is lost, not the sender (a crash could
+                # escalate and take every connection down); the next put tries again. The
+                # connection cap is sized so that this does not happen
+                log.error("message lost", to=self.address, type=type(msg).__name__,
+                          error=exc.strerror)
+                return
             self._socket.setsockopt(zmq.SNDHWM, 0)
             self._socket.connect(self.address)
         frame = CODEC.encode(msg)

@@ -134,21 +134,25 @@ class Control(Actor):
     async def _ask(self, actor: Outbox, question: Callable[[str, int], object]) -> object:
         return await self.questions.ask(actor, question)
 
-    async def connection_ids(self) -> frozenset[bytes] | None:
-        """The live client connections, from the gateway (None without one)."""
+    async def gateway_state(self) -> m.Connections | None:
+        """The live client connections and the edge's counters (None without a gateway)."""
         if self.hooks.gateway is None:
             return None
-        answer = await self._ask(self.hooks.gateway,
-                                 lambda address, token: m.Ask(m.ListConnections(), address, token))
-        return answer.ids
+        return await self._ask(self.hooks.gateway,
+                               lambda address, token: m.Ask(m.ListConnections(), address, token))
+
+    async def connection_ids(self) -> frozenset[bytes] | None:
+        """The live client connections, from the gateway (None without one)."""
+        state = await self.gateway_state()
+        return None if state is None else state.ids
 
     async def status(self, query: m.StatusQuery) -> m.StatusReport:
         snapshot = await self._ask(self.scheduler,
                                    lambda address, token: m.Ask(query, address, token))
         report = snapshot.report
-        connections = await self.connection_ids()
-        if connections is not None:
-            report = replace(report, connections=len(connections))
+        edge = await self.gateway_state()
+        if edge is not None:
+            report = replace(report, connections=len(edge.ids), gateway=edge.stats)
         return report
 
     async def _serve(self) -> None:
@@ -179,9 +183,9 @@ class Control(Actor):
                                lambda address, token: m.Ask(m.Subscribe(), address, token))
         self.seq += 1
         status = snap.status
-        connections = await self.connection_ids()
-        if connections is not None:
-            status = replace(status, connections=len(connections))
+        edge = await self.gateway_state()
+        if edge is not None:
+            status = replace(status, connections=len(edge.ids), gateway=edge.stats)
         return replace(snap, seq=self.seq, status=status)
 
     async def _publish(self) -> None:

@@ -1,4 +1,4 @@
-"""The Gateway actor: the client-facing ROUTER socket.
+"""The Gateway actor: the client-facing ROUTER socket, and the limits of the client edge.
 
 One task receives: each frame is decoded (a bad one gets `Rejected` naming the problem and
 nothing else happens), `Describe` is answered here, everything else goes to the Stream actor
@@ -6,10 +6,20 @@ of that connection, started on its first message. The inbox carries frames to se
 (`Outbound`) from every stream; a peer the ROUTER can no longer reach is reported to its
 stream as `ClientGone`. While draining, new `Generate`s get `Rejected(draining)`.
 
+No send waits on one peer (see `ipc.sockets`): a peer whose queue is full is forgotten
+(`peers.PeerBook`): its stream ends its requests and its later frames are dropped and
+counted. What one client can make the gateway hold is bounded: frame bytes (`MAXMSGSIZE`,
+so an oversize frame is never buffered: libzmq drops that peer), frames queued to it
+(`SNDHWM`), and connections (live Streams; past the cap a new peer gets
+`Rejected(overloaded)` and no actor). ZeroMQ heartbeats and a handshake deadline clear dead
+and half-open peers. Running out of descriptors costs the message that needed one, never
+the daemon. A Stream's crash is its connection's alone: it is supervised as transient.
+
 With a CURVE secret key the socket is a CURVE server and a ZAP handler (in this actor)
 admits only the client public keys listed per tenant; an unknown key never gets a frame
-through. Each message then carries the tenant of its key (ZeroMQ's `User-Id` property) and
-a `Generate` is attributed to that tenant whatever it names.
+through. Each message then carries its client key (ZeroMQ's `User-Id` property): a
+`Generate` is attributed to that key's tenant whatever it names, and a connection's Stream
+is bound to the key that opened it (a frame for it under another key is refused).
 """
 
 from __future__ import annotations
@@ -23,15 +33,19 @@ import trio
 import zmq
 from zmq.utils import z85
 
-from sluice.actors.base import Actor, Handler, Inbox, Outboxes
+from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outboxes
+from sluice.actors.limits import Limits, clip
+from sluice.actors.peers import PeerBook
 from sluice.actors.stream import Stream
 from sluice.actors.supervisor import Supervisor
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
-from sluice.ipc.sockets import PeerGone, Socket
+from sluice.ipc.sockets import PeerFull, PeerGone, Socket
 
 log = structlog.get_logger("sluice.gateway")
 
+_FORGOTTEN = ("this connection was dropped because it did not read what it was sent; "
+              "its requests ended")
 
 class Gateway(Actor):
     name = "gateway"
@@ -44,6 +58,9 @@ class Gateway(Actor):
         supervisor: Supervisor,
         make_stream: Callable[[bytes], Stream],
         info: m.ServerInfo,
+        limits: Limits = Limits(),
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 10.0,
         inbox: Inbox | None = None,
         curve_secret_key: str | None = None,
         tenant_keys: dict[str, str] | None = None,
@@ -55,10 +72,16 @@ class Gateway(Actor):
         self.codec = codec
         self.supervisor = supervisor
         self.make_stream = make_stream
-        self.info = info
+        self.limits = limits
+        self.connection_cap = limits.connection_cap()
+        self.heartbeat = (heartbeat_interval, heartbeat_timeout)
+        self.info = replace(info, max_frame_bytes=limits.max_frame_bytes)
         self.address: str | None = None  # the bound address, kept across restarts
         self.draining = False
         self.streams: dict[bytes, Stream] = {}
+        self.owners: dict[bytes, str] = {}  # with CURVE: connection -> the key of its Stream
+        # kept across restarts, like the streams: the counters are the daemon's lifetime's
+        self.peers = PeerBook(self.connection_cap)
         self.askers = Outboxes()  # who asked for the live connections (the control actor)
 
     def reset(self) -> None:
@@ -67,10 +90,28 @@ class Gateway(Actor):
             self.zap = Socket(zmq.REP)
             self.zap.bind(ZAP_ENDPOINT)
         self.socket = Socket(zmq.ROUTER)
+        self._limit_peers(self.socket.zmq)
         if self.curve_secret_key is not None:
             self.socket.zmq.curve_server = True
             self.socket.zmq.curve_secretkey = self.curve_secret_key.encode()
         self.address = self.socket.bind(self.address or self.listen)
+
+    def _limit_peers(self, router: zmq.Socket) -> None:
+        """What one peer may make this socket hold; set before bind, so every pipe has it."""
+        interval, timeout = (max(1, int(s * 1000)) for s in self.heartbeat)
+        # a peer that does not read pins at most this many frames, then it is forgotten
+        router.setsockopt(zmq.SNDHWM, self.limits.peer_send_hwm)
+        # checked while a frame arrives: a larger one is never buffered, its peer is dropped
+        router.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
+        # ZeroMQ's own pings clear dead and half-open peers even when no frame is due, and a
+        # connection that never finishes its handshake is dropped after the same timeout
+        router.setsockopt(zmq.HEARTBEAT_IVL, interval)
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
+        router.setsockopt(zmq.HANDSHAKE_IVL, timeout)
+
+    def _shown(self, identity: bytes) -> str:
+        """A routing id as a log may show it: the client chose it, so it is clipped."""
+        return clip(identity.hex(), self.limits)
 
     def teardown(self) -> None:
         self.socket.close()
@@ -98,33 +139,58 @@ class Gateway(Actor):
         nursery.start_soon(self._receive_loop)
 
     async def _authenticate(self) -> None:
-        """ZAP: answer 200 with the tenant as user id for a listed CURVE key, else 400."""
+        """ZAP: answer 200 with the key as user id for a listed CURVE key, else 400."""
         while True:
             request = await self.zap.recv_multipart()
             version, request_id, mechanism = request[0], request[1], request[5]
-            tenant = None
+            key = None
             if mechanism == b"CURVE" and len(request) > 6:
-                tenant = self.tenant_keys.get(z85.encode(request[6]).decode())
-            if tenant is None:
+                key = z85.encode(request[6]).decode()
+            if key not in self.tenant_keys:
                 log.info("client refused", mechanism=mechanism.decode(errors="replace"))
                 reply = [version, request_id, b"400", b"unknown key", b"", b""]
-            else:
-                reply = [version, request_id, b"200", b"OK", tenant.encode(), b""]
+            else:  # the key itself is the user id: a stream is bound to it, a tenant found by it
+                reply = [version, request_id, b"200", b"OK", key.encode(), b""]
             await self.zap.send_multipart(reply)
 
+    # -- to the client ----------------------------------------------------------------------
+
     async def on_outbound(self, msg: m.Outbound) -> None:
+        if self.peers.is_forgotten(msg.connection):
+            return  # its stream is ending its requests; nothing more goes to it
         try:
             await self.socket.send_multipart([msg.connection, *msg.frames])
-        except PeerGone:
-            stream = self.streams.get(msg.connection)
-            if stream is not None:
-                stream.inbox.put(m.ClientGone(msg.connection))
+        except PeerGone as exc:
+            self._lost(msg.connection, exc)
+
+    async def _reply(self, identity: bytes, msg: Any) -> bool:
+        """Answer one client frame; False (and the frame counted as dropped) if it cannot."""
+        try:
+            await self.socket.send_multipart([identity, self.codec.encode(msg)])
+        except PeerGone as exc:
+            self.peers.dropped_frames += 1
+            self._lost(identity, exc)
+            return False
+        return True
+
+    def _lost(self, identity: bytes, exc: PeerGone) -> None:
+        """A send failed: a full peer is forgotten; either way its stream ends."""
+        if isinstance(exc, PeerFull) and self.peers.forget(identity, trio.current_time()):
+            log.warning("client forgotten", connection=self._shown(identity),
+                        why="does not read")
+        stream = self.streams.get(identity)
+        if stream is not None:
+            stream.inbox.put(m.ClientGone(identity))
+
+    # -- from actors ------------------------------------------------------------------------
 
     async def on_stream_closed(self, msg: m.StreamClosed) -> None:
         stream = self.streams.pop(msg.connection, None)
+        self.owners.pop(msg.connection, None)
         if stream is not None:
-            self.supervisor.stop_child(stream)
-            stream.inbox.close()
+            # from now on the connection's frames open a fresh stream; the closed one refuses
+            # what was routed to it before this answer, then ends
+            stream.inbox.put(m.StreamClosed(msg.connection))
 
     async def on_drain(self, msg: m.Drain) -> None:
         self.draining = True
@@ -135,7 +201,8 @@ class Gateway(Actor):
     async def on_ask(self, msg: m.Ask) -> None:
         if isinstance(msg.query, m.ListConnections):
             live = m.Connections(frozenset(self.streams),
-                                 tuple(stream.inbox.address for stream in self.streams.values()))
+                                 tuple(stream.inbox.address for stream in self.streams.values()),
+                                 self.peers.stats())
             self.askers.put(msg.reply_to, m.Reply(msg.token, live))
 
     def vanish(self, connection: bytes) -> bool:
@@ -143,50 +210,109 @@ class Gateway(Actor):
         stream = self.streams.pop(connection, None)
         if stream is None:
             return False
+        self.owners.pop(connection, None)
         self.supervisor.stop_child(stream)
         stream.inbox.close()
         return True
 
+    # -- from the client --------------------------------------------------------------------
+
     async def _receive_loop(self) -> None:
         while True:
             if self.curve_secret_key is None:
-                frames, tenant = await self.socket.recv_multipart(), None
+                frames, key = await self.socket.recv_multipart(), None
             else:
-                frames, tenant = await self.socket.recv_with_user()
-            identity = frames[0]
-            if len(frames) != 2:
-                await self._reply(identity, m.Rejected("", m.RejectCode.INVALID,
-                                                      "expected exactly one frame", "frame"))
-                continue
+                frames, key = await self.socket.recv_with_user()
             try:
-                msg = self.codec.decode(frames[1])
-            except CodecError as exc:
-                await self._reply(identity, m.Rejected(exc.request_id, exc.code, exc.message,
-                                                      exc.field))
-                continue
-            if isinstance(msg, m.Describe):
-                await self._reply(identity, self.info)
-                continue
-            if isinstance(msg, m.Generate) and tenant is not None:
-                msg = replace(msg, tenant=tenant)
-            if isinstance(msg, m.Generate) and self.draining:
-                await self._reply(identity, m.Rejected(msg.request_id, m.RejectCode.DRAINING,
-                                                      "the daemon is draining"))
-                continue
-            stream = self.streams.get(identity)
-            if stream is None:
-                if isinstance(msg, m.Heartbeat):
-                    await self._reply(identity, m.Heartbeat())
-                    continue
-                stream = self.streams[identity] = self.make_stream(identity)
-                await self.supervisor.start_child(stream)
-            stream.inbox.put(msg)
+                await self._take(frames[0], frames[1:], key)
+            except zmq.ZMQError as exc:
+                if exc.errno not in RESOURCE_ERRNOS:
+                    raise
+                log.error("client frame dropped", connection=self._shown(frames[0]),
+                          error=exc.strerror)
+                self.peers.dropped_frames += 1
 
-    async def _reply(self, identity: bytes, msg: Any) -> None:
+    async def _take(self, identity: bytes, parts: list[bytes], key: str | None) -> None:
+        """Handle one client message: answer it here, or route it to the connection's stream."""
+        if self.peers.is_forgotten(identity):
+            await self._take_forgotten(identity)
+            return
+        if len(parts) != 1:
+            await self._reply(identity, m.Rejected("", m.RejectCode.INVALID,
+                                                  "expected exactly one frame", "frame"))
+            return
         try:
-            await self.socket.send_multipart([identity, self.codec.encode(msg)])
-        except PeerGone:
-            pass
+            msg = self.codec.decode(parts[0])
+        except CodecError as exc:
+            await self._reply(identity, m.Rejected(exc.request_id, exc.code, exc.message,
+                                                  exc.field))
+            return
+        if isinstance(msg, m.Describe):
+            await self._reply(identity, self.info)
+            return
+        if isinstance(msg, m.Generate) and key is not None:
+            msg = replace(msg, tenant=self.tenant_keys.get(key, msg.tenant))
+        if isinstance(msg, m.Generate) and self.draining:
+            await self._reply(identity, m.Rejected(msg.request_id, m.RejectCode.DRAINING,
+                                                  "the daemon is draining"))
+            return
+        stream = self.streams.get(identity)
+        if stream is not None and key is not None and self.owners.get(identity) != key:
+            await self._take_over_refused(identity, stream, msg)
+            return
+        if stream is None:
+            if isinstance(msg, m.Heartbeat):
+                await self._reply(identity, m.Heartbeat())
+                return
+            stream = await self._open_stream(identity, msg, key)
+            if stream is None:
+                return
+        stream.inbox.put(msg)
+
+    async def _take_forgotten(self, identity: bytes) -> None:
+        """A forgotten peer's frame: dropped, or now and then answered to see if it reads."""
+        if not self.peers.probe_due(identity, trio.current_time()):
+            self.peers.dropped_frames += 1
+            return
+        if await self._reply(identity, m.Rejected("", m.RejectCode.OVERLOADED, _FORGOTTEN,
+                                                  "connection")):
+            self.peers.remember(identity)  # it took a frame again: it reads, or reconnected
+            log.info("client remembered", connection=self._shown(identity))
+
+    async def _take_over_refused(self, identity: bytes, stream: Stream, msg: Any) -> None:
+        """Another key uses a live stream's routing id. ZeroMQ refuses a duplicate id while
+        its first holder is connected, so that client is gone: its stream ends, and nothing
+        of it is handed to the newcomer, who may open its own once the old one closed."""
+        log.warning("routing id reused by another key", connection=self._shown(identity))
+        stream.inbox.put(m.ClientGone(identity))
+        await self._reply(identity, m.Rejected(getattr(msg, "request_id", ""),
+                                              m.RejectCode.UNAUTHORIZED,
+                                              "this connection id belongs to another client",
+                                              "connection"))
+
+    async def _open_stream(self, identity: bytes, msg: Any, key: str | None) -> Stream | None:
+        """The stream of a new connection, or None (the peer was refused: over the cap, or
+        out of descriptors)."""
+        if len(self.streams) >= self.connection_cap:
+            why = f"the daemon serves at most {self.connection_cap} connections"
+        else:
+            try:
+                stream = self.make_stream(identity)
+            except zmq.ZMQError as exc:
+                if exc.errno not in RESOURCE_ERRNOS:
+                    raise
+                why = "the daemon has no file descriptor left for another connection"
+            else:
+                self.streams[identity] = stream
+                if key is not None:
+                    self.owners[identity] = key
+                await self.supervisor.start_child(stream, transient=True)
+                return stream
+        self.peers.refused_connections += 1
+        log.debug("connection refused", connection=self._shown(identity), why=why)
+        await self._reply(identity, m.Rejected(getattr(msg, "request_id", ""),
+                                              m.RejectCode.OVERLOADED, why, "connections"))
+        return None
 
     async def on_crash(self, exc: BaseException) -> None:
         # each stream fails its requests and reports StreamClosed, which the restarted

@@ -8,6 +8,13 @@ one the ROUTER can no longer reach, is gone: all its requests are cancelled and 
 
 Buffered chunks are merged when sent, so one credit can carry several tokens. Terminal
 messages (`Finished`, `Error`, `Rejected`) never need a credit.
+
+A connection may hold `max_requests_per_connection` open requests (those still tokenizing
+count), and its outstanding credits per request are clamped to `max_credits`. A stream
+belongs to its connection alone: a crash ends the connection's requests with `Error` and
+closes the stream (the supervisor never escalates for it). A closed stream never takes work:
+it refuses every `Generate` the gateway routed to it before learning of the close, and ends
+when the gateway answers its `StreamClosed`; the connection's later frames open a new stream.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import trio
 
 from sluice.actors.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.intake import check_generate
-from sluice.actors.limits import Limits
+from sluice.actors.limits import Limits, clip
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
 
@@ -64,6 +71,7 @@ class Stream(Actor):
         super().__init__(f"stream-{connection.hex()}")
         self.connection = connection
         self.config = config
+        self.limits = limits
         self.codec = codec
         self.gateway = gateway
         self.tokenizer = tokenizer
@@ -87,6 +95,7 @@ class Stream(Actor):
             m.ClientGone: self.on_client_gone,
             m.FailAll: self.on_fail_all,
             m.Ask: self.on_ask,
+            m.StreamClosed: self.on_gateway_forgot,
         }
 
     async def on_ask(self, msg: m.Ask) -> None:
@@ -103,6 +112,11 @@ class Stream(Actor):
 
     async def on_generate(self, msg: m.Generate) -> None:
         self.last_heard = trio.current_time()
+        if self.closed:  # routed here before the gateway learnt of the close
+            self._send(m.Rejected(msg.request_id, m.RejectCode.OVERLOADED,
+                                  "this connection was closed; send the request again",
+                                  "connection"))
+            return
         if msg.request_id in self.requests:
             self._send(m.Rejected(msg.request_id, m.RejectCode.INVALID,
                                   "a request with this id is still running", "request_id"))
@@ -114,8 +128,15 @@ class Stream(Actor):
         if (refused := check_generate(msg, self.limits)) is not None:
             self._send(refused)
             return
+        cap = self.limits.max_requests_per_connection
+        if len(self.requests) >= cap:
+            self._send(m.Rejected(msg.request_id, m.RejectCode.OVERLOADED,
+                                  f"a connection may have at most {cap} open requests",
+                                  "max_requests_per_connection"))
+            return
         daemon_id = f"{self.connection.hex()}/{msg.request_id}"
-        self.requests[msg.request_id] = _Request(msg.request_id, daemon_id, msg.credits)
+        credits = min(msg.credits, self.limits.max_credits)
+        self.requests[msg.request_id] = _Request(msg.request_id, daemon_id, credits)
         self.tokenizer.put(m.Encode(msg, daemon_id, self.connection, self.inbox.address,
                                    trio.current_time()))
 
@@ -123,7 +144,8 @@ class Stream(Actor):
         self.last_heard = trio.current_time()
         request = self.requests.get(msg.request_id)
         if request is not None and msg.chunks > 0:
-            request.credits += msg.chunks
+            # clamped: a huge grant would let one peer fill its queue with every chunk at once
+            request.credits = min(request.credits + msg.chunks, self.limits.max_credits)
             self._flush(request)
 
     async def on_cancel(self, msg: m.Cancel) -> None:
@@ -166,10 +188,16 @@ class Stream(Actor):
         self._fail_requests(msg.message)
         self._close("failed", release=False)
 
+    async def on_gateway_forgot(self, msg: m.StreamClosed) -> None:
+        self.close()  # nothing is routed here any more: the run loop ends
+
     async def on_crash(self, exc: BaseException) -> None:
+        # the crash is this connection's alone: its requests fail and the stream closes; the
+        # supervisor restarts it closed, so it refuses what is still routed to it, then ends
         self.outgoing = []  # half-built output of the crashed handling
         self._fail_requests(f"stream failed: {type(exc).__name__}")
         self.after_message()
+        self._close("crashed", release=False)
 
     def _fail_requests(self, message: str) -> None:
         rids = tuple(r.daemon_id for r in self.requests.values())
@@ -188,7 +216,8 @@ class Stream(Actor):
         self.requests.clear()
         if release and rids:
             self.scheduler.put(m.Release(rids, m.FinishReason.CANCELLED))
-        log.info("client gone", connection=self.connection.hex(), why=why, released=len(rids))
+        log.info("client gone", connection=clip(self.connection.hex(), self.limits), why=why,
+                 released=len(rids))
         self.gateway.put(m.StreamClosed(self.connection))
 
     async def _timers(self) -> None:

@@ -4,6 +4,11 @@ A crashed child is restarted alone, after `on_crash` let it release what it owne
 back off exponentially; more than `max_restarts` inside `window` seconds raises `Escalation`
 out of the supervisor, which takes the daemon down with a non-zero exit so that systemd can
 restart it whole. Only `Exception` is caught: cancellation and KeyboardInterrupt pass through.
+
+A *transient* child (a client connection's Stream) is the client's, not the daemon's: its
+crashes never count toward escalation and leave no bookkeeping behind when it ends. It is
+restarted (its `on_crash` decides what the restart is for: a Stream comes back closed, only
+to refuse what was already routed to it), and one that keeps crashing is closed for good.
 """
 
 from __future__ import annotations
@@ -69,17 +74,18 @@ class Supervisor:
             task_status.started(self)
             await trio.sleep_forever()
 
-    async def start_child(self, child: Actor) -> None:
-        """Start a child under supervision and return once it serves."""
+    async def start_child(self, child: Actor, *, transient: bool = False) -> None:
+        """Start a child under supervision and return once it serves (or, transient, gave up)."""
         assert self._nursery is not None, "supervisor is not running"
-        await self._nursery.start(self._supervise, child)
+        await self._nursery.start(self._supervise, child, transient)
 
     def stop_child(self, child: Actor) -> None:
         scope = self._scopes.get(id(child))
         if scope is not None:
             scope.cancel()
 
-    async def _supervise(self, child: Actor, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def _supervise(self, child: Actor, transient: bool = False, *,
+                         task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         status = _StartedOnce(task_status)
         crashes: deque[float] = deque()
         backoff = self.policy.backoff_initial
@@ -100,12 +106,19 @@ class Supervisor:
                         while crashes and now - crashes[0] > self.policy.window:
                             crashes.popleft()
                         if len(crashes) > self.policy.max_restarts:
+                            if transient:
+                                log.error("transient actor closed for good", actor=child.name)
+                                child.close()
+                                return
                             raise Escalation(child.name, len(crashes)) from exc
-                    self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
+                    if not transient:
+                        self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
                     await trio.sleep(backoff)
                     backoff = min(backoff * 2, self.policy.backoff_max)
             finally:
                 self._scopes.pop(id(child), None)
+                if transient:  # one that gave up before serving must not fail its starter
+                    status.started()
 
     async def _after_crash(self, child: Actor, exc: Exception) -> None:
         log.error("actor crashed", actor=child.name, error=repr(exc))

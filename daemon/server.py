@@ -2,9 +2,10 @@
 
 The Executor starts first, because the pool it reports (blocks, block size, context) sizes
 the scheduler core; then the Scheduler, Tokenizer, Gateway and Control. Streams are started
-by the Gateway, one per connection. `Daemon.run` returns when the daemon was drained and
-stopped; an `Escalation` from the supervisor propagates (the process exits non-zero), and
-so does `WorkerStartFailed` when the first worker never passes its health check.
+by the Gateway, one per connection, as transient children (a crash never escalates).
+`Daemon.run` returns when the daemon was drained and stopped; an `Escalation` from the
+supervisor propagates (the process exits non-zero), and so does `WorkerStartFailed` when the
+first worker never passes its health check.
 
 The daemon learns the actors' state by asking (`Questions`): `STATUS=`, `/health` and the
 metrics come from the scheduler's snapshot, drain's idle check from the scheduler, the
@@ -141,6 +142,9 @@ class Daemon:
             self.gateway = Gateway(cfg.listen, codec=client_codec, supervisor=self.supervisor,
                                    make_stream=make_stream,
                                    info=m.ServerInfo(m.PROTOCOL_VERSION, model_name, max_model_len),
+                                   limits=cfg.limits,
+                                   heartbeat_interval=cfg.stream.heartbeat_interval,
+                                   heartbeat_timeout=cfg.stream.heartbeat_timeout,
                                    inbox=gateway_inbox,
                                    curve_secret_key=cfg.auth.server_secret_key,
                                    tenant_keys={key: tenant

@@ -8,7 +8,10 @@
 
 Credits are granted as the application consumes chunks, so an application that stops
 reading becomes a slow client and the daemon pauses its request. Heartbeats run in the
-background. A refusal raises the `RejectedError` subclass of its code. Against a daemon with
+background. A refusal raises the `RejectedError` subclass of its code. A request larger than
+the daemon's frame limit (learnt once per connection from its `ServerInfo`) is refused here,
+with `InvalidRequestError` naming the sizes: the daemon would drop the connection unanswered.
+Against a daemon with
 CURVE authentication, pass its public key and this client's key pair (Z85 text, as
 `zmq.curve_keypair()` makes them): `AsyncClient(address, curve_server_key=...,
 curve_keypair=(public, secret))`.
@@ -29,7 +32,7 @@ import zmq
 
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
-from sluice.ipc.errors import DaemonGone, SluiceError, error_for
+from sluice.ipc.errors import DaemonGone, InvalidRequestError, SluiceError, error_for
 from sluice.ipc.sockets import Socket
 
 
@@ -145,6 +148,7 @@ class AsyncClient:
         self._pending: dict[str, _Pending] = {}
         self._info_waiters: list[Any] = []
         self._gone: DaemonGone | None = None
+        self._frame_limit: int | None = None  # the daemon's max frame bytes; 0: it does not say
 
     async def __aenter__(self) -> AsyncClient:
         self._socket = Socket(zmq.DEALER)
@@ -189,9 +193,11 @@ class AsyncClient:
                          prompt_ids=None if prompt_ids is None else tuple(prompt_ids),
                          sampling=sampling, priority=priority, tenant=tenant or self.tenant,
                          credits=self.credit_window)
+        frame = self._codec.encode(msg)
+        await self._check_frame_size(frame)
         send, recv = trio.open_memory_channel[Any](math.inf)  # bounded by credits in practice
         self._pending[rid] = _Pending(send, recv)
-        await self._send(msg)
+        await self._send_frame(frame)
         generation = AsyncGeneration(self, rid, self.credit_window, recv)
         first = await self._next_item(recv)
         if isinstance(first, m.Rejected):
@@ -213,10 +219,22 @@ class AsyncClient:
 
     # -- internals ----------------------------------------------------------------------------
 
+    async def _check_frame_size(self, frame: bytes) -> None:
+        if self._frame_limit is None:
+            await self.status()  # once per connection: the answer carries the limit
+        limit = self._frame_limit
+        if limit and len(frame) > limit:
+            raise InvalidRequestError(
+                f"the request encodes to {len(frame)} bytes; the daemon reads frames of at "
+                f"most {limit} bytes", field="frame")
+
     async def _send(self, msg: Any) -> None:
+        await self._send_frame(self._codec.encode(msg))
+
+    async def _send_frame(self, frame: bytes) -> None:
         if self._gone is not None:
             raise self._gone
-        await self._socket.send(self._codec.encode(msg))
+        await self._socket.send(frame)
 
     async def _next_item(self, recv: Any) -> Any:
         for pending in self._pending.values():
@@ -246,8 +264,17 @@ class AsyncClient:
 
     def _route(self, msg: Any) -> None:
         if isinstance(msg, m.ServerInfo):
+            self._frame_limit = msg.max_frame_bytes
             while self._info_waiters:
                 self._info_waiters.pop(0).send_nowait(msg)
+            return
+        if (isinstance(msg, m.Rejected) and not msg.request_id and msg.field == "connection"
+                and msg.code is m.RejectCode.OVERLOADED):
+            # the daemon had forgotten this connection (it did not read) and ended its
+            # requests; it serves it again from here on
+            for rid, pending in list(self._pending.items()):
+                pending.send.send_nowait(m.Error(rid, msg.message))
+                pending.send.send_nowait(m.Finished(rid, m.FinishReason.ERROR))
             return
         pending = self._pending.get(getattr(msg, "request_id", ""))
         if pending is not None:

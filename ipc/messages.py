@@ -187,6 +187,9 @@ class ServerInfo:
     protocol_version: str
     model: str
     max_model_len: int = 0
+    # the largest frame the daemon reads; a larger one costs the client its connection
+    # unanswered (ZeroMQ drops the peer), so the client library refuses it locally. 0: unknown
+    max_frame_bytes: int = 0
 
 
 # -- operator <-> control socket ------------------------------------------------------------
@@ -226,6 +229,15 @@ class Counters:
 
 
 @dataclass(frozen=True)
+class GatewayStats:
+    """The client edge since the daemon started: what it dropped and whom it refused."""
+
+    dropped_frames: int = 0  # client frames discarded unanswered (see README, "Limits")
+    forgotten_peers: int = 0  # connections dropped for not reading what they were sent
+    refused_connections: int = 0  # new connections refused over the connection cap
+
+
+@dataclass(frozen=True)
 class StatusQuery:
     TAG: ClassVar[int] = 32
     check_invariants: bool = False  # also run the KV consistency check
@@ -241,6 +253,7 @@ class StatusReport:
     counters: Counters
     connections: int = 0
     invariant_errors: tuple[str, ...] = ()  # empty when consistent (or not checked)
+    gateway: GatewayStats = GatewayStats()  # the client edge's counters, from the gateway
 
 
 @dataclass(frozen=True)
@@ -522,7 +535,10 @@ class Outbound:
 
 @dataclass(frozen=True)
 class StreamClosed:
-    """Stream -> Gateway: the connection is gone and its stream has released everything."""
+    """Stream -> Gateway: the connection is gone and its stream has released everything.
+
+    Gateway -> Stream, in answer: the gateway routes nothing more to it; the stream ends once
+    it has refused whatever was routed to it before this."""
 
     connection: bytes
 
@@ -554,6 +570,7 @@ class ListConnections:
 class Connections:
     ids: frozenset[bytes]
     streams: tuple[str, ...] = ()  # their Stream actors' inboxes, for drain to ask (`Holding`)
+    stats: GatewayStats = GatewayStats()  # the gateway's counters, for status reports
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,13 @@ it sets. After every successful operation the sleeping waiter is woken to re-che
 
 One task receives on a socket; any number may send. A ROUTER is made `ROUTER_MANDATORY`, so
 sending to a peer that is gone raises `PeerGone` instead of dropping the message silently.
+
+A ROUTER send never waits. A ROUTER is "writable" when *any* of its peers has room, so
+waiting for `POLLOUT` after one peer's queue filled up returns at once and the retry spins
+without ever yielding to trio: one client that does not read would freeze the daemon. With
+`ROUTER_MANDATORY`, `Again` means exactly "this one peer cannot take more", so it raises
+`PeerFull` and the caller deals with that peer (the gateway forgets it). Sends on other socket
+types wait for room, yielding on every retry.
 """
 
 from __future__ import annotations
@@ -22,9 +29,18 @@ import zmq
 class PeerGone(Exception):
     """A ROUTER could not route to this identity: the peer disconnected."""
 
-    def __init__(self, identity: bytes):
-        super().__init__(f"peer {identity.hex()} is gone")
+    def __init__(self, identity: bytes, why: str = "is gone"):
+        super().__init__(f"peer {identity.hex()} {why}")
         self.identity = identity
+
+
+class PeerFull(PeerGone):
+    """A ROUTER peer's send queue is full (it does not read): to a sender, as good as gone.
+
+    A subclass of `PeerGone` so that a caller that only knows "gone" drops such a peer too."""
+
+    def __init__(self, identity: bytes):
+        super().__init__(identity, "cannot take more")
 
 
 _context: zmq.Context | None = None
@@ -48,8 +64,12 @@ class Socket:
     def __init__(self, socket_type: int, *, ctx: zmq.Context | None = None):
         self.zmq = (ctx or context()).socket(socket_type)
         self.zmq.setsockopt(zmq.LINGER, 0)
-        if socket_type == zmq.ROUTER:
+        self._router = socket_type == zmq.ROUTER
+        if self._router:
             self.zmq.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # never let a new connection take over a routing id that is in use: without
+            # CURVE, anyone could choose a live client's id and receive its replies
+            self.zmq.setsockopt(zmq.ROUTER_HANDOVER, 0)
         self._fd = self.zmq.getsockopt(zmq.FD)
         self._waiter_done: trio.Event | None = None
         self._waiter_scope: trio.CancelScope | None = None
@@ -113,11 +133,16 @@ class Socket:
             return [bytes(p.buffer) for p in parts], parts[-1].get("User-Id")
 
     async def send_multipart(self, frames: list[bytes]) -> None:
+        """Send one message; on a ROUTER `frames[0]` is the peer, and a full peer raises
+        `PeerFull` at once (never waits), a vanished one `PeerGone`."""
         while True:
             try:
                 self.zmq.send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again:
+                if self._router:
+                    raise PeerFull(frames[0]) from None
                 await self.wait_for(zmq.POLLOUT)
+                await trio.lowlevel.checkpoint()  # every retry yields, whatever EVENTS says
                 continue
             except zmq.ZMQError as exc:
                 if exc.errno == errno.EHOSTUNREACH:

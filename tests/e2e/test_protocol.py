@@ -102,7 +102,6 @@ async def raw_exchange(address: str, frames: list[bytes]) -> list[m.Rejected]:
 
 async def test_malformed_frames_over_the_socket_get_rejected(null_daemon) -> None:
     daemon = await null_daemon()
-    good = Codec().encode(m.Generate("x", prompt="hi"))
     frames = [
         b"\x00\xff garbage",
         msgpack.packb([m.PROTOCOL_MAJOR + 1, 0, 1, {"request_id": "v"}]),
@@ -112,14 +111,12 @@ async def test_malformed_frames_over_the_socket_get_rejected(null_daemon) -> Non
         msgpack.packb([m.PROTOCOL_MAJOR, 0, 1, {"request_id": "s", "prompt": "a",
                                                 "sampling": {"max_tokens": -5}}]),
         b"\x91" + b"\xc4\x00" * 10,
-        good + b"x" * (4 * 1024 * 1024),
-    ]
+    ]  # an oversize frame costs its peer the connection instead: tests/faults/test_intake.py
     with trio.fail_after(20):
         answers = await raw_exchange(daemon.listen, frames)
     assert all(isinstance(a, m.Rejected) for a in answers)
     assert [a.field for a in answers] == [
         "frame", "version", "tag", "request_id", "priority", "sampling.max_tokens", "frame",
-        "frame",
     ]
     assert answers[1].code is m.RejectCode.PROTOCOL_VERSION
     async with AsyncClient(daemon.listen) as client:
