@@ -1,0 +1,138 @@
+"""The CPU attention backend that reads the paged KV pool in place (`csrc/paged_attention_cpu.cpp`).
+
+Same signature as `reference.paged_attention`, which stays the definition it is tested
+against. The C++ op is compiled at first use with torch's extension tooling and cached under
+`TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), so only the first start on a
+machine pays for the build. Where it cannot be built (no compiler, no ninja, a failed build)
+or `SLUICE_CPU_PAGED=off` says so, `available()` is False, the reason is logged once and the
+dispatch in `sluice.kernels` runs the reference instead.
+
+What runs where was decided by measurement (see `benchmarks/offline.py --profile`): decodes
+and prefill chunks with cached context read the pool in place; a chunk without cached
+context (a fresh prompt) goes to SDPA over its own freshly written blocks, because SDPA's
+causal kernel beats a per-row loop there and the blocks it reads are only the chunk's own.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+__all__ = ["available", "unavailable_reason", "paged_attention", "DISABLE_ENV"]
+
+log = structlog.get_logger("sluice.kernels")
+
+DISABLE_ENV = "SLUICE_CPU_PAGED"  # "off" (or 0/false/no): behave as if the build failed
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+# compile flags per ISA that torch itself detected on this CPU; the ISA is part of the
+# extension's name, so a cache shared between machines never loads a build for another CPU
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+               "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
+}
+
+_lock = threading.Lock()
+_op = None  # the loaded torch op, once built
+_reason: str | None = None  # why it is unavailable, once tried and failed
+
+
+def _disabled_by_env() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("off", "0", "false", "no")
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    cpp_extension.verify_ninja_availability()
+    capability = torch.backends.cpu.get_cpu_capability()
+    isa = capability if capability in _ISA_FLAGS else "DEFAULT"
+    cpp_extension.load(
+        name=f"sluice_paged_attention_cpu_{isa.lower()}",
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", *_ISA_FLAGS.get(isa, [])],
+        is_python_module=False,
+        verbose=False,
+    )
+    return torch.ops.sluice_cpu.paged_attention_into
+
+
+def _load():
+    """The op, building it on first call; None (and the reason logged once) if unavailable."""
+    global _op, _reason
+    if _op is not None or _reason is not None:
+        return _op
+    with _lock:
+        if _op is not None or _reason is not None:
+            return _op
+        if _disabled_by_env():
+            _reason = f"{DISABLE_ENV} turns it off"
+        else:
+            started = time.perf_counter()
+            try:
+                _op = _build()
+            except Exception as exc:  # any build or load failure: the reference still serves
+                # a compiler's error sits at the end of its output
+                _reason = f"build failed: {type(exc).__name__}: ...{str(exc)[-300:]}"
+            else:
+                log.info("cpu paged attention ready",
+                         seconds=round(time.perf_counter() - started, 2))
+        if _reason is not None:
+            log.warning("cpu paged attention unavailable, using the torch reference",
+                        reason=_reason)
+    return _op
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _reason
+
+
+def _forget() -> None:
+    """Tests only: try loading again at the next call, as a fresh process would."""
+    global _op, _reason
+    with _lock:
+        _op, _reason = None, None
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`reference.paged_attention` without gathering cached context; needs `available()`."""
+    op = _load()
+    if op is None:
+        raise RuntimeError(f"cpu paged attention is unavailable: {_reason}")
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    op(out, query, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
+       query_start_loc.to(torch.int32), seq_lens.to(torch.int32), float(scale), True)
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    for i, ctx_len in enumerate(lengths):
+        if ctx_len > 1 and starts[i + 1] - starts[i] == ctx_len:
+            _attend_fresh_chunk(query, key_cache, value_cache, block_tables[i], starts[i],
+                                ctx_len, scale, out)
+    return out
+
+
+def _attend_fresh_chunk(query, key_cache, value_cache, table, start, length, scale,
+                        out) -> None:
+    """A chunk with no cached context: causal SDPA over the blocks it has just written."""
+    block_size = key_cache.shape[1]
+    ids = table[:-(-length // block_size)].long()
+    keys = key_cache.index_select(0, ids).flatten(0, 1)[:length].transpose(0, 1)[None]
+    values = value_cache.index_select(0, ids).flatten(0, 1)[:length].transpose(0, 1)[None]
+    q = query[start:start + length].transpose(0, 1)[None]
+    attended = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
+                                              enable_gqa=q.shape[1] != keys.shape[1])
+    out[start:start + length] = attended[0].transpose(0, 1)
