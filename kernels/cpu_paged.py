@@ -7,28 +7,35 @@ machine pays for the build. Where it cannot be built (no compiler, no ninja, a f
 or `SLUICE_CPU_PAGED=off` says so, `available()` is False, the reason is logged once and the
 dispatch in `sluice.kernels` runs the reference instead.
 
-What runs where was decided by measurement (see `benchmarks/offline.py --profile`): decodes
-and prefill chunks with cached context read the pool in place; a chunk without cached
-context (a fresh prompt) goes to SDPA over its own freshly written blocks, because SDPA's
-causal kernel beats a per-row loop there and the blocks it reads are only the chunk's own.
+What runs where was decided by measurement (one core, SmolLM2 shapes: 9 heads, 3 kv heads,
+head_dim 64): decodes, and chunks of up to `MAX_IN_PLACE_QUERY` tokens, read the pool in place
+(a decode over a 300-token context: several times faster than gather + SDPA). Longer prefill
+chunks keep the reference's gather + SDPA: SDPA's tiled GEMMs beat this per-row loop by 2-3x
+there, and a chunk's gather is paid once for all its query tokens, not once per token as a
+decode's is.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 
 import structlog
 import torch
-import torch.nn.functional as F
 
-__all__ = ["available", "unavailable_reason", "paged_attention", "DISABLE_ENV"]
+from sluice.kernels import reference
+
+__all__ = ["available", "unavailable_reason", "paged_attention", "DISABLE_ENV",
+           "MAX_IN_PLACE_QUERY"]
 
 log = structlog.get_logger("sluice.kernels")
 
 DISABLE_ENV = "SLUICE_CPU_PAGED"  # "off" (or 0/false/no): behave as if the build failed
+# query tokens up to which a chunk reads the pool in place; past about 8 gather + SDPA wins
+MAX_IN_PLACE_QUERY = 4
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
 # compile flags per ISA that torch itself detected on this CPU; the ISA is part of the
 # extension's name, so a cache shared between machines never loads a build for another CPU
@@ -50,6 +57,11 @@ def _disabled_by_env() -> bool:
 def _build():
     from torch.utils import cpp_extension
 
+    # a `pip install ninja` lands beside this interpreter, which is not on PATH when the
+    # daemon is started as .venv/bin/sluiced without activating the virtualenv
+    scripts = os.path.dirname(sys.executable)
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + scripts
     cpp_extension.verify_ninja_availability()
     capability = torch.backends.cpu.get_cpu_capability()
     isa = capability if capability in _ISA_FLAGS else "DEFAULT"
@@ -107,32 +119,25 @@ def _forget() -> None:
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """`reference.paged_attention` without gathering cached context; needs `available()`."""
+                    seq_lens: torch.Tensor, scale: float,
+                    max_in_place_query: int = MAX_IN_PLACE_QUERY) -> torch.Tensor:
+    """`reference.paged_attention`, reading the pool in place for every sequence with at most
+    `max_in_place_query` query tokens; needs `available()`."""
     op = _load()
     if op is None:
         raise RuntimeError(f"cpu paged attention is unavailable: {_reason}")
     query = query.contiguous()
     out = torch.empty_like(query)
     op(out, query, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
-       query_start_loc.to(torch.int32), seq_lens.to(torch.int32), float(scale), True)
+       query_start_loc.to(torch.int32), seq_lens.to(torch.int32), float(scale),
+       int(max_in_place_query))
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
-    for i, ctx_len in enumerate(lengths):
-        if ctx_len > 1 and starts[i + 1] - starts[i] == ctx_len:
-            _attend_fresh_chunk(query, key_cache, value_cache, block_tables[i], starts[i],
-                                ctx_len, scale, out)
-    return out
-
-
-def _attend_fresh_chunk(query, key_cache, value_cache, table, start, length, scale,
-                        out) -> None:
-    """A chunk with no cached context: causal SDPA over the blocks it has just written."""
     block_size = key_cache.shape[1]
-    ids = table[:-(-length // block_size)].long()
-    keys = key_cache.index_select(0, ids).flatten(0, 1)[:length].transpose(0, 1)[None]
-    values = value_cache.index_select(0, ids).flatten(0, 1)[:length].transpose(0, 1)[None]
-    q = query[start:start + length].transpose(0, 1)[None]
-    attended = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
-                                              enable_gqa=q.shape[1] != keys.shape[1])
-    out[start:start + length] = attended[0].transpose(0, 1)
+    for i, ctx_len in enumerate(lengths):
+        q_len = starts[i + 1] - starts[i]
+        if q_len > max_in_place_query:
+            # the reference's own chunk path, so long chunks stay exactly what they were
+            reference._attend_chunk(query, key_cache, value_cache, block_tables[i], starts[i],
+                                    q_len, ctx_len, block_size, scale, out)
+    return out

@@ -28,6 +28,9 @@ using Vec = at::vec::Vectorized<float>;
 // query tokens per work item of a prefill chunk: enough rows to reuse each K/V block, few
 // enough items left over to keep both cores busy on one long chunk
 constexpr int64_t kQueryTile = 16;
+// rows of a work item from which transposing each K block pays for itself (a decode has only
+// its GQA group of rows and reads K rows as they lie)
+constexpr int64_t kTransposeRows = 16;
 
 struct WorkItem {
   int64_t seq;
@@ -70,25 +73,59 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
-// acc = acc * keep + weight * row
-inline void scale_add(float* acc, float keep, float weight, const float* row, int64_t n) {
-  int64_t d = 0;
-  const Vec keep_v(keep), weight_v(weight);
-  for (; d + Vec::size() <= n; d += Vec::size()) {
-    Vec kept = Vec::loadu(acc + d) * keep_v;
-    at::vec::fmadd(weight_v, Vec::loadu(row + d), kept).store(acc + d);
+// scores[j] = q . K[j] for j < visible, K given transposed as kt[d * padded + j]
+inline void transposed_scores(const float* q, const float* kt, int64_t padded, int64_t visible,
+                              int64_t D, float* scores) {
+  for (int64_t j = 0; j < visible; j += Vec::size()) {
+    Vec sum(0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+      sum = at::vec::fmadd(Vec(q[d]), Vec::loadu(kt + d * padded + j), sum);
+    }
+    sum.store(scores + j);  // lanes past `visible` land in the padding and are never read
   }
-  for (; d < n; ++d) acc[d] = acc[d] * keep + weight * row[d];
+}
+
+// scores[j] = exp(scores[j] - shift) for j < visible; returns their sum
+inline float exp_shifted(float* scores, int64_t visible, float shift) {
+  int64_t j = 0;
+  for (; j + Vec::size() <= visible; j += Vec::size()) {
+    (Vec::loadu(scores + j) - Vec(shift)).exp_u20().store(scores + j);
+  }
+  for (; j < visible; ++j) scores[j] = std::exp(scores[j] - shift);
+  float sum = 0.0f;
+  for (j = 0; j < visible; ++j) sum += scores[j];
+  return sum;
+}
+
+// acc = acc * keep + sum_j weights[j] * values[j], one vector of acc in registers at a time
+inline void accumulate(float* acc, float keep, const float* weights, const float* values,
+                       int64_t stride, int64_t visible, int64_t D) {
+  int64_t d = 0;
+  for (; d + Vec::size() <= D; d += Vec::size()) {
+    Vec sum = Vec::loadu(acc + d) * Vec(keep);
+    for (int64_t j = 0; j < visible; ++j) {
+      sum = at::vec::fmadd(Vec(weights[j]), Vec::loadu(values + j * stride + d), sum);
+    }
+    sum.store(acc + d);
+  }
+  for (; d < D; ++d) {
+    float sum = acc[d] * keep;
+    for (int64_t j = 0; j < visible; ++j) sum += weights[j] * values[j * stride + d];
+    acc[d] = sum;
+  }
 }
 
 struct Scratch {
-  std::vector<float> query, acc, row_max, row_sum, scores, keys, values;
+  std::vector<float> query, acc, row_max, row_sum, scores, keys, values, keys_t;
+  int64_t padded_block = 0;  // block size rounded up to whole vectors
   void reserve(int64_t rows, const Layout& l) {
+    padded_block = (l.block_size + Vec::size() - 1) / Vec::size() * Vec::size();
     query.resize(rows * l.head_dim);
     acc.resize(rows * l.head_dim);
     row_max.resize(rows);
     row_sum.resize(rows);
-    scores.resize(l.block_size);
+    scores.resize(padded_block);
+    keys_t.resize(l.head_dim * padded_block);  // zero-filled once: padding lanes stay finite
     keys.resize(l.block_size * l.head_dim);
     values.resize(l.block_size * l.head_dim);
   }
@@ -141,25 +178,30 @@ void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
       values = s.values.data();
       stride = D;
     }
+    // with many rows per block, scores come from K transposed to [D, B]: one vector of B
+    // scores per row is D broadcast FMAs, with no horizontal sum per key
+    const bool transposed = rows >= kTransposeRows;
+    if (transposed) {
+      for (int64_t j = 0; j < keys_here; ++j) {
+        for (int64_t d = 0; d < D; ++d) s.keys_t[d * s.padded_block + j] = keys[j * stride + d];
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = first_pos + item.first_token + r / l.group;
       const int64_t visible = std::min(keys_here, pos - first_key + 1);
       if (visible <= 0) continue;  // this whole block lies after the row's token
       const float* q = s.query.data() + r * D;
-      float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < visible; ++j) {
-        s.scores[j] = dot(q, keys + j * stride, D);
-        block_max = std::max(block_max, s.scores[j]);
+      float* scores = s.scores.data();
+      if (transposed) {
+        transposed_scores(q, s.keys_t.data(), s.padded_block, visible, D, scores);
+      } else {
+        for (int64_t j = 0; j < visible; ++j) scores[j] = dot(q, keys + j * stride, D);
       }
+      const float block_max = *std::max_element(scores, scores + visible);
       const float new_max = std::max(s.row_max[r], block_max);
       const float keep = std::exp(s.row_max[r] - new_max);  // exp(-inf) = 0 on the first block
-      float* acc = s.acc.data() + r * D;
-      float block_sum = 0.0f;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float weight = std::exp(s.scores[j] - new_max);
-        block_sum += weight;
-        scale_add(acc, j == 0 ? keep : 1.0f, weight, values + j * stride, D);
-      }
+      const float block_sum = exp_shifted(scores, visible, new_max);
+      accumulate(s.acc.data() + r * D, keep, scores, values, stride, visible, D);
       s.row_sum[r] = s.row_sum[r] * keep + block_sum;
       s.row_max[r] = new_max;
     }
@@ -172,12 +214,12 @@ void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
   }
 }
 
-// Writes the attention of every selected sequence into `out` (same shape as `query`); with
-// `skip_fresh_chunks` a prefill chunk without cached context is left for the caller.
+// Writes into `out` (the query's shape) the attention of every sequence with at most
+// `max_query_len` query tokens; the rows of longer chunks are left for the caller.
 void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables,
                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                          double scale, bool skip_fresh_chunks) {
+                          double scale, int64_t max_query_len) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T,H,D], caches [N,B,KVH,D]");
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && block_tables.is_contiguous(),
@@ -217,7 +259,7 @@ void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Ten
       TORCH_CHECK(block >= 0 && block < key_cache.size(0), "sequence ", seq, ": block id ",
                   block, " outside the pool");
     }
-    if (q_len == 0 || (skip_fresh_chunks && q_len > 1 && q_len == ctx_len)) continue;
+    if (q_len == 0 || q_len > max_query_len) continue;
     for (int64_t first = 0; first < q_len; first += kQueryTile) {
       const int64_t tokens = std::min(kQueryTile, q_len - first);
       const int64_t keys = ctx_len - q_len + first + tokens;
@@ -254,7 +296,7 @@ void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Ten
 TORCH_LIBRARY(sluice_cpu, m) {
   m.def("paged_attention_into(Tensor(a!) out, Tensor query, Tensor key_cache, "
         "Tensor value_cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
-        "float scale, bool skip_fresh_chunks) -> ()");
+        "float scale, int max_query_len) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
