@@ -36,6 +36,7 @@ log = structlog.get_logger("sluice.kernels")
 DISABLE_ENV = "SLUICE_CPU_PAGED"  # "off" (or 0/false/no): behave as if the build failed
 # query tokens up to which a chunk reads the pool in place; past about 8 gather + SDPA wins
 MAX_IN_PLACE_QUERY = 4
+STALE_LOCK_SECONDS = 600.0  # a build takes well under a minute; ten is a dead builder
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
 # compile flags per ISA that torch itself detected on this CPU; the ISA is part of the
 # extension's name, so a cache shared between machines never loads a build for another CPU
@@ -65,14 +66,27 @@ def _build():
     cpp_extension.verify_ninja_availability()
     capability = torch.backends.cpu.get_cpu_capability()
     isa = capability if capability in _ISA_FLAGS else "DEFAULT"
+    name = f"sluice_paged_attention_cpu_{isa.lower()}"
+    _clear_stale_lock(Path(cpp_extension._get_build_directory(name, False)) / "lock")
     cpp_extension.load(
-        name=f"sluice_paged_attention_cpu_{isa.lower()}",
+        name=name,
         sources=[str(SOURCE)],
         extra_cflags=["-O3", *_ISA_FLAGS.get(isa, [])],
         is_python_module=False,
         verbose=False,
     )
     return torch.ops.sluice_cpu.paged_attention_into
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch waits forever on the lock file of a build whose process was killed mid-way (a
+    worker stopped during its first start): a lock older than any build can be is removed."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink()
+            log.warning("removed a stale torch extension build lock", path=str(lock))
+    except FileNotFoundError:
+        pass
 
 
 def _load():

@@ -2,6 +2,8 @@
 no gather of the context in a decode, the fallback when it cannot be built, and the embedded
 model's greedy output on it."""
 
+import os
+
 import pytest
 import structlog
 import torch
@@ -221,3 +223,16 @@ def test_a_failed_build_falls_back_with_the_reason(monkeypatch, tmp_path, fresh_
         "cpu paged attention unavailable, using the torch reference"]
     torch.testing.assert_close(got, reference.paged_attention(*batch.attention_args()),
                                atol=0.0, rtol=0.0)
+
+
+def test_a_build_lock_left_by_a_killed_builder_is_removed(tmp_path):
+    # torch would wait on it forever; a lock younger than any build could be is left alone
+    stale, live = tmp_path / "stale", tmp_path / "live"
+    stale.touch()
+    live.touch()
+    old = stale.stat().st_mtime - cpu_paged.STALE_LOCK_SECONDS - 60
+    os.utime(stale, (old, old))
+    cpu_paged._clear_stale_lock(stale)
+    cpu_paged._clear_stale_lock(live)
+    cpu_paged._clear_stale_lock(tmp_path / "absent")
+    assert not stale.exists() and live.exists()
