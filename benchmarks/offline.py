@@ -8,9 +8,13 @@ machine's peak matmul rate and reports sluice's share of that roofline.
 
     python benchmarks/offline.py [--requests N] [--seed S] [--dtype float32|bfloat16]
                                  [--systems sluice,transformers-cb,...] [--threads N]
-                                 [--model PATH] [--json]
+                                 [--model PATH] [--json] [--profile]
 
 What the peers are, and what counts as useful output, is written next to each runner below.
+`--profile` runs sluice under the torch profiler and prints where its step time goes
+(GEMMs, attention, KV write, elementwise, sampling, input preparation, Python/other; see
+`step_profile.py`); the profiler's own overhead slows that run, so its tok/s is not comparable.
+
 Correctness is not this file's business (the test suite checks greedy parity); it only
 reports how many requests produced the same tokens as sluice, as a sanity check.
 """
@@ -66,6 +70,7 @@ class Result:
     tokens: list[list[int]] = field(default_factory=list)  # per request, its useful output
     notes: str = ""
     error: str | None = None
+    profile: dict | None = None  # step time breakdown, with --profile
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -78,6 +83,8 @@ class Result:
             row["notes"] = self.notes
         if self.error:
             row["error"] = self.error
+        if self.profile:
+            row["profile"] = self.profile
         return row
 
 
@@ -131,7 +138,7 @@ def peak_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> fl
     return 2.0 * n ** 3 / best
 
 
-def run_sluice(engine, workload: Workload) -> Result:
+def run_sluice(engine, workload: Workload, profile: bool = False) -> Result:
     """Every request submitted up front, then `step()` until none is left: the engine's own
     continuous batching with its default scheduler settings and KV pool."""
     from sluice.actors.scheduler.plan import SamplingParams
@@ -140,17 +147,28 @@ def run_sluice(engine, workload: Workload) -> Result:
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
     engine.generate([workload.prompts[0][:8]], params(2))  # warm-up
-    started = time.perf_counter()
-    ids = [engine.add_request(prompt_token_ids=p, sampling=params(n))
-           for p, n in zip(workload.prompts, workload.output_lens)]
-    produced: dict[str, list[int]] = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id in produced:
-                produced[out.request_id].extend(out.new_token_ids)
-    seconds = time.perf_counter() - started
-    tokens = [produced[i] for i in ids]
-    return Result("sluice", sum(map(len, tokens)), seconds, tokens)
+
+    def run() -> Result:
+        started = time.perf_counter()
+        ids = [engine.add_request(prompt_token_ids=p, sampling=params(n))
+               for p, n in zip(workload.prompts, workload.output_lens)]
+        produced: dict[str, list[int]] = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id in produced:
+                    produced[out.request_id].extend(out.new_token_ids)
+        seconds = time.perf_counter() - started
+        tokens = [produced[i] for i in ids]
+        return Result("sluice", sum(map(len, tokens)), seconds, tokens)
+
+    if not profile:
+        return run()
+    from step_profile import attention_backend, profiled
+
+    result, breakdown = profiled(engine, run)
+    result.profile = {"attention_backend": attention_backend(), **breakdown}
+    result.notes = "run under the torch profiler (--profile): slower than a plain run"
+    return result
 
 
 def load_transformers(model_path: Path, dtype: torch.dtype):
@@ -298,6 +316,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="torch threads for every system (default: all cores)")
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
     parser.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile sluice's steps and print the share of each phase")
     parser.add_argument("--write-workload", metavar="FILE", default=None,
                         help="write the workload as JSON lines for `sluice bench --workload` "
                              "and exit")
@@ -352,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 
             engine = Engine(model=args.model, dtype=args.dtype)
             sluice_config = engine.runner.config
-            results.append(run_sluice(engine, workload))
+            results.append(run_sluice(engine, workload, profile=args.profile))
             del engine
         except Exception as exc:  # one broken system must not hide the others' numbers
             results.append(Result("sluice", error=f"{type(exc).__name__}: {exc}"))
@@ -430,6 +450,11 @@ def print_table(report: dict) -> None:
         if "sluice_share" in roof:
             print(f"sluice reaches {100 * roof['sluice_share']:.1f}% of the roofline")
         print(f"FLOP count: {roof['flop_count']}")
+    for row in report["results"]:
+        if row.get("profile"):
+            from step_profile import print_breakdown
+
+            print_breakdown(row["profile"], row["profile"]["attention_backend"])
 
 
 if __name__ == "__main__":
