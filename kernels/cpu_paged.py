@@ -140,6 +140,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     op = _load()
     if op is None:
         raise RuntimeError(f"cpu paged attention is unavailable: {_reason}")
+    if not query.dtype == key_cache.dtype == value_cache.dtype:
+        # the op reads one dtype; a mixed call is rare enough to leave to the reference
+        return reference.paged_attention(query, key_cache, value_cache, block_tables,
+                                          query_start_loc, seq_lens, scale)
     query = query.contiguous()
     out = torch.empty_like(query)
     op(out, query, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),

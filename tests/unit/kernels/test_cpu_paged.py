@@ -125,6 +125,15 @@ def test_reads_query_rows_with_a_token_stride():
                                atol=FP32_ATOL, rtol=0.0)
 
 
+def test_a_query_in_another_dtype_than_the_pool_still_gets_the_reference_answer():
+    batch = random_paged_batch(mixed_shape((6, 2)), dtype=torch.bfloat16, seed=6)
+    batch.query = batch.query.float()
+    got = cpu_paged.paged_attention(*batch.attention_args())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, reference.paged_attention(*batch.attention_args()),
+                               atol=0.0, rtol=0.0)
+
+
 def test_a_block_id_outside_the_pool_is_an_error_not_a_read():
     batch = random_paged_batch(decode_shape((2, 2)), seed=1)
     batch.block_tables[0, 0] = batch.key_cache.shape[0]
