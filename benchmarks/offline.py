@@ -12,9 +12,13 @@ dtype a system used and reports each sluice system's share of its dtype's roofli
     python benchmarks/offline.py [--requests N] [--seed S] [--dtype float32|bfloat16]
                                  [--systems sluice,sluice-fp32,transformers-cb,...]
                                  [--temperature T --top-p P] [--threads N]
-                                 [--llama-parallel N] [--model PATH] [--json]
+                                 [--llama-parallel N] [--model PATH] [--json] [--profile]
 
 What the peers are, and what counts as useful output, is written next to each runner below.
+`--profile` runs sluice under the torch profiler and prints where its step time goes
+(GEMMs, attention, KV write, elementwise, sampling, input preparation, Python/other; see
+`step_profile.py`); the profiler's own overhead slows that run, so its tok/s is not comparable.
+
 Correctness is not this file's business (the test suite checks greedy parity); it only
 reports how many requests produced the same tokens as sluice, as a sanity check.
 """
@@ -73,6 +77,7 @@ class Result:
     tokens: list[list[int]] = field(default_factory=list)  # per request, its useful output
     notes: str = ""
     error: str | None = None
+    profile: dict | None = None  # step time breakdown, with --profile
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -85,6 +90,8 @@ class Result:
             row["notes"] = self.notes
         if self.error:
             row["error"] = self.error
+        if self.profile:
+            row["profile"] = self.profile
         return row
 
 
@@ -166,7 +173,8 @@ def peak_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> fl
     return 2.0 * n ** 3 / best
 
 
-def run_sluice(engine, workload: Workload, sampling: Sampling, system: str) -> Result:
+def run_sluice(engine, workload: Workload, sampling: Sampling, system: str,
+               profile: bool = False) -> Result:
     """Every request submitted up front, then `step()` until none is left: the engine's own
     continuous batching with its default scheduler settings and KV pool."""
     from sluice.actors.scheduler.plan import SamplingParams
@@ -176,18 +184,29 @@ def run_sluice(engine, workload: Workload, sampling: Sampling, system: str) -> R
                               top_p=sampling.top_p, seed=seed, ignore_eos=True)
 
     engine.generate([workload.prompts[0][:8]], params(2, 0))  # warm-up
-    started = time.perf_counter()
-    ids = [engine.add_request(prompt_token_ids=p, sampling=params(n, sampling.seed(i)))
-           for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens))]
-    produced: dict[str, list[int]] = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id in produced:
-                produced[out.request_id].extend(out.new_token_ids)
-    seconds = time.perf_counter() - started
-    tokens = [produced[i] for i in ids]
-    return Result(system, sum(map(len, tokens)), seconds, tokens,
-                  notes=f"{engine.runner.model.dtype} weights and KV".replace("torch.", ""))
+    notes = f"{engine.runner.model.dtype} weights and KV".replace("torch.", "")
+
+    def run() -> Result:
+        started = time.perf_counter()
+        ids = [engine.add_request(prompt_token_ids=p, sampling=params(n, sampling.seed(i)))
+               for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens))]
+        produced: dict[str, list[int]] = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id in produced:
+                    produced[out.request_id].extend(out.new_token_ids)
+        seconds = time.perf_counter() - started
+        tokens = [produced[i] for i in ids]
+        return Result(system, sum(map(len, tokens)), seconds, tokens, notes=notes)
+
+    if not profile:
+        return run()
+    from step_profile import attention_backend, profiled
+
+    result, breakdown = profiled(engine, run)
+    result.profile = {"attention_backend": attention_backend(), **breakdown}
+    result.notes = f"{notes}; run under the torch profiler (--profile): slower than a plain run"
+    return result
 
 
 def load_transformers(model_path: Path, dtype: torch.dtype):
@@ -346,6 +365,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="torch threads for every system (default: all cores)")
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
     parser.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile sluice's steps and print the share of each phase")
     parser.add_argument("--write-workload", metavar="FILE", default=None,
                         help="write the workload as JSON lines for `sluice bench --workload` "
                              "and exit")
@@ -411,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = (Engine(model=args.model) if system == "sluice"
                       else Engine(model=args.model, dtype="float32"))
             dtype_name = str(engine.runner.model.dtype).removeprefix("torch.")
-            result = run_sluice(engine, workload, sampling, system)
+            result = run_sluice(engine, workload, sampling, system, profile=args.profile)
             results.append(result)
             if dtype_name in DTYPES:
                 rooflines[system] = {"dtype": dtype_name, **sluice_roofline(
@@ -472,7 +493,6 @@ def main(argv: list[str] | None = None) -> int:
 def run_llamacpp(model_path: Path, workload: Workload, sampling: Sampling, threads: int,
                  parallel: int) -> Result:
     """llama.cpp through llama-cpp-python (the optional `bench` extra): see llamacpp.py."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from llamacpp import LlamaCppRunner, available
 
     missing = available()
@@ -531,6 +551,12 @@ def print_table(report: dict) -> None:
               f"output tok/s at roofline")
         if "share" in roof:
             print(f"{system} reaches {100 * roof['share']:.1f}% of its dtype's roofline")
+    for row in report["results"]:
+        if row.get("profile"):
+            from step_profile import print_breakdown
+
+            print(f"\n{row['system']}:")
+            print_breakdown(row["profile"], row["profile"]["attention_backend"])
 
 
 if __name__ == "__main__":

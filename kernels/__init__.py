@@ -1,7 +1,10 @@
-"""Paged KV kernels: the dispatch between Triton (CUDA) and the torch references (CPU).
+"""Paged KV kernels: the dispatch between Triton (CUDA), the CPU backend that reads the paged
+pool in place (`cpu_paged`, a C++ op built at first use) and the torch references.
 
-`SLUICE_ATTENTION=triton|torch` overrides the choice, for tests and debugging. The Triton
-modules are imported only when chosen, so CPU users never import triton.
+On CPU the in-place backend runs where it could be built, else the reference (the reason is
+logged once). `SLUICE_ATTENTION=triton|cpu|torch` overrides the choice, for tests and
+debugging (`torch` is the reference). The Triton modules are imported only when chosen, so
+CPU users never import triton.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import os
 
 import torch
 
-from sluice.kernels import reference
+from sluice.kernels import cpu_paged, reference
 
 __all__ = ["paged_attention", "reshape_and_cache", "backend_for"]
 
@@ -19,9 +22,11 @@ def backend_for(tensor: torch.Tensor) -> str:
     override = os.environ.get("SLUICE_ATTENTION", "").strip().lower()
     if override in ("triton", "torch"):
         return override
-    if override:
-        raise ValueError(f"SLUICE_ATTENTION must be 'triton' or 'torch', got {override!r}")
-    return "triton" if tensor.is_cuda else "torch"
+    if override and override != "cpu":
+        raise ValueError(f"SLUICE_ATTENTION must be 'triton', 'cpu' or 'torch', got {override!r}")
+    if tensor.is_cuda and not override:
+        return "triton"
+    return "cpu" if cpu_paged.available() else "torch"
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -34,10 +39,14 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 def paged_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                     scale: float) -> torch.Tensor:
-    if backend_for(query) == "triton":
+    backend = backend_for(query)
+    if backend == "triton":
         from sluice.kernels.attention import paged_attention as launch
 
         return launch(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                       scale)
+    if backend == "cpu":
+        return cpu_paged.paged_attention(query, key_cache, value_cache, block_tables,
+                                         query_start_loc, seq_lens, scale)
     return reference.paged_attention(query, key_cache, value_cache, block_tables,
                                      query_start_loc, seq_lens, scale)

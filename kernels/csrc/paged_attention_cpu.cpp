@@ -1,0 +1,304 @@
+// Paged attention on CPU that reads K/V straight out of the paged pool: no per-step gather of
+// a sequence's context. Built at first use by `sluice.kernels.cpu_paged` with torch's
+// extension tooling; the torch reference (`sluice.kernels.reference`) is its definition.
+//
+// One work item is (sequence, kv head, tile of query tokens). Its rows are the tile's tokens
+// times the query heads that share the kv head (GQA), so each K/V block is read once for all
+// of them. Blocks are visited in table order with an online softmax in fp32; a row stops at
+// its own position (causal), so a prefill chunk attends to cached context and to the chunk
+// tokens before it. Work items are handed out dynamically from an atomic counter, largest
+// first, because decodes and long chunks differ in cost by orders of magnitude.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// query tokens per work item of a prefill chunk: enough rows to reuse each K/V block, few
+// enough items left over to keep both cores busy on one long chunk
+constexpr int64_t kQueryTile = 16;
+// rows of a work item from which transposing each K block pays for itself (a decode has only
+// its GQA group of rows and reads K rows as they lie)
+constexpr int64_t kTransposeRows = 16;
+
+struct WorkItem {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t first_token;  // offset inside the sequence's query tokens
+  int64_t num_tokens;
+  int64_t cost;
+};
+
+struct Layout {
+  int64_t block_size, kv_heads, head_dim, group, num_heads, table_width;
+};
+
+template <typename scalar_t>
+inline void to_float(const scalar_t* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+template <typename scalar_t>
+inline void from_float(const float* src, scalar_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t d = 0;
+  Vec sum(0.0f);
+  for (; d + Vec::size() <= n; d += Vec::size()) {
+    sum = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), sum);
+  }
+  float total = sum.reduce_add();
+  for (; d < n; ++d) total += a[d] * b[d];
+  return total;
+}
+
+// scores[j] = q . K[j] for j < visible, K given transposed as kt[d * padded + j]
+inline void transposed_scores(const float* q, const float* kt, int64_t padded, int64_t visible,
+                              int64_t D, float* scores) {
+  for (int64_t j = 0; j < visible; j += Vec::size()) {
+    Vec sum(0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+      sum = at::vec::fmadd(Vec(q[d]), Vec::loadu(kt + d * padded + j), sum);
+    }
+    sum.store(scores + j);  // lanes past `visible` land in the padding and are never read
+  }
+}
+
+// scores[j] = exp(scores[j] - shift) for j < visible; returns their sum
+inline float exp_shifted(float* scores, int64_t visible, float shift) {
+  int64_t j = 0;
+  for (; j + Vec::size() <= visible; j += Vec::size()) {
+    (Vec::loadu(scores + j) - Vec(shift)).exp_u20().store(scores + j);
+  }
+  for (; j < visible; ++j) scores[j] = std::exp(scores[j] - shift);
+  float sum = 0.0f;
+  for (j = 0; j < visible; ++j) sum += scores[j];
+  return sum;
+}
+
+// acc = acc * keep + sum_j weights[j] * values[j], one vector of acc in registers at a time
+inline void accumulate(float* acc, float keep, const float* weights, const float* values,
+                       int64_t stride, int64_t visible, int64_t D) {
+  int64_t d = 0;
+  for (; d + Vec::size() <= D; d += Vec::size()) {
+    Vec sum = Vec::loadu(acc + d) * Vec(keep);
+    for (int64_t j = 0; j < visible; ++j) {
+      sum = at::vec::fmadd(Vec(weights[j]), Vec::loadu(values + j * stride + d), sum);
+    }
+    sum.store(acc + d);
+  }
+  for (; d < D; ++d) {
+    float sum = acc[d] * keep;
+    for (int64_t j = 0; j < visible; ++j) sum += weights[j] * values[j * stride + d];
+    acc[d] = sum;
+  }
+}
+
+struct Scratch {
+  std::vector<float> query, acc, row_max, row_sum, scores, keys, values, keys_t;
+  int64_t padded_block = 0;  // block size rounded up to whole vectors
+  void reserve(int64_t rows, const Layout& l) {
+    padded_block = (l.block_size + Vec::size() - 1) / Vec::size() * Vec::size();
+    query.resize(rows * l.head_dim);
+    acc.resize(rows * l.head_dim);
+    row_max.resize(rows);
+    row_sum.resize(rows);
+    scores.resize(padded_block);
+    keys_t.resize(l.head_dim * padded_block);  // zero-filled once: padding lanes stay finite
+    keys.resize(l.block_size * l.head_dim);
+    values.resize(l.block_size * l.head_dim);
+  }
+};
+
+template <typename scalar_t>
+void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
+                 const scalar_t* key_cache, const scalar_t* value_cache, const int32_t* tables,
+                 const int32_t* query_start, const int32_t* seq_lens, float scale,
+                 scalar_t* out, Scratch& s) {
+  const int64_t D = l.head_dim, B = l.block_size;
+  const int64_t q_len = query_start[item.seq + 1] - query_start[item.seq];
+  const int64_t ctx_len = seq_lens[item.seq];
+  const int64_t first_pos = ctx_len - q_len;  // position of the sequence's first query token
+  const int64_t rows = item.num_tokens * l.group;
+  s.reserve(rows, l);
+  // row r is token first_token + r / group, query head kv_head * group + r % group
+  auto token_of = [&](int64_t r) { return query_start[item.seq] + item.first_token + r / l.group; };
+  auto head_of = [&](int64_t r) { return item.kv_head * l.group + r % l.group; };
+  for (int64_t r = 0; r < rows; ++r) {
+    float* q = s.query.data() + r * D;
+    to_float(query + (token_of(r) * l.num_heads + head_of(r)) * D, q, D);
+    for (int64_t d = 0; d < D; ++d) q[d] *= scale;
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + rows * D, 0.0f);
+  std::fill(s.row_max.begin(), s.row_max.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(s.row_sum.begin(), s.row_sum.begin() + rows, 0.0f);
+
+  const int64_t last_pos = first_pos + item.first_token + item.num_tokens - 1;
+  const int64_t num_keys = last_pos + 1;  // the tile's last token sees keys [0, last_pos]
+  const int32_t* table = tables + item.seq * l.table_width;
+  const int64_t token_stride = l.kv_heads * D;  // between two keys of one block and head
+  for (int64_t first_key = 0; first_key < num_keys; first_key += B) {
+    const int64_t block = table[first_key / B];
+    const int64_t keys_here = std::min(B, num_keys - first_key);
+    const int64_t base = (block * B * l.kv_heads + item.kv_head) * D;
+    const float* keys;
+    const float* values;
+    int64_t stride;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      keys = key_cache + base;  // in place: no copy at all in fp32
+      values = value_cache + base;
+      stride = token_stride;
+    } else {
+      for (int64_t j = 0; j < keys_here; ++j) {
+        to_float(key_cache + base + j * token_stride, s.keys.data() + j * D, D);
+        to_float(value_cache + base + j * token_stride, s.values.data() + j * D, D);
+      }
+      keys = s.keys.data();
+      values = s.values.data();
+      stride = D;
+    }
+    // with many rows per block, scores come from K transposed to [D, B]: one vector of B
+    // scores per row is D broadcast FMAs, with no horizontal sum per key
+    const bool transposed = rows >= kTransposeRows;
+    if (transposed) {
+      for (int64_t j = 0; j < keys_here; ++j) {
+        for (int64_t d = 0; d < D; ++d) s.keys_t[d * s.padded_block + j] = keys[j * stride + d];
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = first_pos + item.first_token + r / l.group;
+      const int64_t visible = std::min(keys_here, pos - first_key + 1);
+      if (visible <= 0) continue;  // this whole block lies after the row's token
+      const float* q = s.query.data() + r * D;
+      float* scores = s.scores.data();
+      if (transposed) {
+        transposed_scores(q, s.keys_t.data(), s.padded_block, visible, D, scores);
+      } else {
+        for (int64_t j = 0; j < visible; ++j) scores[j] = dot(q, keys + j * stride, D);
+      }
+      const float block_max = *std::max_element(scores, scores + visible);
+      const float new_max = std::max(s.row_max[r], block_max);
+      const float keep = std::exp(s.row_max[r] - new_max);  // exp(-inf) = 0 on the first block
+      const float block_sum = exp_shifted(scores, visible, new_max);
+      accumulate(s.acc.data() + r * D, keep, scores, values, stride, visible, D);
+      s.row_sum[r] = s.row_sum[r] * keep + block_sum;
+      s.row_max[r] = new_max;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* acc = s.acc.data() + r * D;
+    const float inverse = 1.0f / s.row_sum[r];
+    for (int64_t d = 0; d < D; ++d) acc[d] *= inverse;
+    from_float(acc, out + (token_of(r) * l.num_heads + head_of(r)) * D, D);
+  }
+}
+
+// Writes into `out` (the query's shape) the attention of every sequence with at most
+// `max_query_len` query tokens; the rows of longer chunks are left for the caller.
+void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables,
+                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                          double scale, int64_t max_query_len) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T,H,D], caches [N,B,KVH,D]");
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous() && block_tables.is_contiguous(),
+              "paged_attention_cpu needs contiguous tensors");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out must have the query's shape");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
+                  key_cache.scalar_type() == value_cache.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "query, caches and out must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt,
+              "block tables, query starts and sequence lengths must be int32");
+  const Layout l{key_cache.size(1), key_cache.size(2), key_cache.size(3), 0, query.size(1),
+                 block_tables.size(1)};
+  TORCH_CHECK(query.size(2) == l.head_dim, "query and cache head_dim differ");
+  TORCH_CHECK(l.num_heads % l.kv_heads == 0, "num_heads must be a multiple of kv_heads");
+  const Layout layout{l.block_size, l.kv_heads, l.head_dim, l.num_heads / l.kv_heads,
+                      l.num_heads, l.table_width};
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) >= num_seqs,
+              "one query start per sequence plus one, one block table row per sequence");
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lengths = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+
+  std::vector<WorkItem> items;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t q_len = starts[seq + 1] - starts[seq];
+    const int64_t ctx_len = lengths[seq];
+    TORCH_CHECK(q_len >= 0 && q_len <= ctx_len && starts[seq + 1] <= query.size(0),
+                "sequence ", seq, ": query length ", q_len, " does not fit its context ", ctx_len);
+    TORCH_CHECK((ctx_len + layout.block_size - 1) / layout.block_size <= layout.table_width,
+                "sequence ", seq, ": context ", ctx_len, " exceeds its block table");
+    for (int64_t b = 0; b * layout.block_size < ctx_len; ++b) {
+      const int32_t block = tables[seq * layout.table_width + b];
+      TORCH_CHECK(block >= 0 && block < key_cache.size(0), "sequence ", seq, ": block id ",
+                  block, " outside the pool");
+    }
+    if (q_len == 0 || q_len > max_query_len) continue;
+    for (int64_t first = 0; first < q_len; first += kQueryTile) {
+      const int64_t tokens = std::min(kQueryTile, q_len - first);
+      const int64_t keys = ctx_len - q_len + first + tokens;
+      for (int64_t h = 0; h < layout.kv_heads; ++h) {
+        items.push_back({seq, h, first, tokens, tokens * keys});
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items.size());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(),
+                                  "paged_attention_cpu", [&] {
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    const scalar_t* k = key_cache.data_ptr<scalar_t>();
+    const scalar_t* v = value_cache.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch;
+      for (int64_t w = begin; w < end; ++w) {
+        for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
+          attend_item<scalar_t>(items[i], layout, q, k, v, tables, starts, lengths,
+                                static_cast<float>(scale), o, scratch);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sluice_cpu, m) {
+  m.def("paged_attention_into(Tensor(a!) out, Tensor query, Tensor key_cache, "
+        "Tensor value_cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
+        "float scale, int max_query_len) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
+  m.impl("paged_attention_into", &paged_attention_into);
+}
