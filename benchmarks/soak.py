@@ -35,6 +35,7 @@ from sluice.ipc.errors import RejectedError, SluiceError
 
 import soak_daemon as sd
 import soak_hostile as sh
+from soak_report import log_findings, problems, summary
 
 
 @dataclass
@@ -43,6 +44,7 @@ class WellBehaved:
 
     latencies: list[float] = field(default_factory=list)
     accepted: int = 0
+    without_finished: int = 0  # accepted, then no Finished within the timeout
     failures: Counter = field(default_factory=Counter)  # what went wrong -> n
 
     def report(self) -> dict:
@@ -54,6 +56,7 @@ class WellBehaved:
 
         return {"requests": len(ordered) + sum(self.failures.values()),
                 "accepted": self.accepted, "completed": len(ordered),
+                "without_finished": self.without_finished,
                 "failed": sum(self.failures.values()), "failures": dict(self.failures),
                 "p50_seconds": quantile(0.50), "p99_seconds": quantile(0.99)}
 
@@ -67,6 +70,7 @@ async def well_behaved_client(listen: str, number: int, max_tokens: int, timeout
             while not stop.is_set():
                 n += 1
                 started = trio.current_time()
+                accepted = False
                 try:
                     with trio.fail_after(timeout):
                         generation = await client.generate(
@@ -74,9 +78,11 @@ async def well_behaved_client(listen: str, number: int, max_tokens: int, timeout
                                        "content": f"{sh.PROMPT_MARK} client {number} asks #{n}"}],
                             max_tokens=max_tokens, temperature=0.0)
                         record.accepted += 1
+                        accepted = True
                         result = await generation.collect()
                 except trio.TooSlowError:
-                    record.failures[f"no Finished within {timeout:g}s"] += 1
+                    record.failures[f"no answer within {timeout:g}s"] += 1
+                    record.without_finished += accepted
                     break  # this connection may be wedged: start a fresh one
                 except RejectedError as exc:
                     record.failures[f"rejected: {type(exc).__name__}"] += 1
@@ -84,6 +90,7 @@ async def well_behaved_client(listen: str, number: int, max_tokens: int, timeout
                     continue
                 except SluiceError as exc:
                     record.failures[f"{type(exc).__name__}"] += 1
+                    record.without_finished += accepted
                     break
                 if result.finish_reason in ("length", "stop"):
                     record.latencies.append(trio.current_time() - started)
@@ -131,7 +138,6 @@ async def settle(control: str, timeout: float) -> dict:
 
 
 async def soak(args, daemon: sd.DaemonProcess) -> dict:
-    origin = trio.current_time()
     report: dict = {"executor": args.executor, "minutes": args.minutes,
                     "hostile_modes": args.hostile, "chaos_kinds": args.chaos}
     progress("warm-up")
@@ -144,7 +150,7 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
     baseline, quiet = WellBehaved(), sd.Liveness()
     await run_clients(args, daemon.listen, args.baseline_seconds, baseline,
                       lambda nursery, stop: nursery.start_soon(
-                          quiet.watch, daemon.listen, origin, stop))
+                          quiet.watch, daemon.listen, trio.current_time(), stop))
 
     progress(f"soak: {args.minutes:g} min with {','.join(args.hostile) or 'no hostiles'}"
              f" and {','.join(args.chaos) or 'no faults'}")
@@ -156,6 +162,7 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
     faults: list[dict] = []
 
     def hostiles(nursery: trio.Nursery, stop: trio.Event) -> None:
+        origin = trio.current_time()  # times of freezes and faults count from here
         nursery.start_soon(liveness.watch, daemon.listen, origin, stop)
         for name in args.hostile:
             for _ in range(sh.loops(name, plan)):
@@ -168,9 +175,17 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
     progress("settle: every client gone; waiting for the daemon to drain")
     report["daemon_alive_after_soak"] = daemon.alive()
     report["memory_after_soak"] = sd.memory(daemon)
-    report["end"] = await settle(daemon.control, args.settle_seconds) if daemon.alive() \
+    # a daemon that does not answer now gets a short settle: one more look, not a minute
+    answering = await sd.describe_once(daemon.listen, 5.0) is not None
+    settle_seconds = args.settle_seconds if answering else 5.0
+    settle_started = trio.current_time()
+    report["end"] = await settle(daemon.control, settle_seconds) if daemon.alive() \
         else {"error": f"the daemon exited with {daemon.process.returncode}"}
     report["memory_at_end"] = sd.memory(daemon)
+    # CPU close to wall time while nothing is asked of it: the daemon is spinning
+    cpu = [report[k]["daemon_cpu_seconds"] for k in ("memory_after_soak", "memory_at_end")]
+    report["settle"] = {"wall_seconds": round(trio.current_time() - settle_started, 1),
+                        "daemon_cpu_seconds": None if None in cpu else round(cpu[1] - cpu[0], 1)}
     answer = await sd.describe_once(daemon.listen, 5.0)
     report["end"]["describe_answered"] = answer is not None
     report["well_behaved"] = {"baseline": baseline.report(), "under_soak": loaded.report()}
@@ -180,66 +195,6 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
     report["hostile"] = {name: tally.report() for name, tally in tallies.items()}
     report["faults"] = faults
     return report
-
-
-def log_findings(path: Path) -> dict:
-    """Levels of the daemon's log events, the warnings' names, and any prompt text in it."""
-    levels, events, leaks = Counter(), Counter(), 0
-    for line in path.read_text(errors="replace").splitlines():
-        leaks += sh.PROMPT_MARK in line
-        try:
-            event = json.loads(line)
-        except ValueError:
-            levels["not json"] += 1
-            continue
-        level = str(event.get("level", "?"))
-        levels[level] += 1
-        if level in ("warning", "error", "critical"):
-            events[f"{level}: {event.get('event', '?')}"] += 1
-    return {"levels": dict(levels), "warnings_and_errors": dict(events.most_common(15)),
-            "lines_with_prompt_text": leaks}
-
-
-def problems(report: dict) -> list[str]:
-    """Everything in the report a user of the daemon would call a defect."""
-    found = []
-    end = report.get("end", {})
-    if "error" in end:
-        found.append(f"end state unknown: {end['error']}")
-    else:
-        if end["invariant_errors"]:
-            found.append(f"KV invariant broken: {end['invariant_errors'][:3]}")
-        if end["kv"]["used_blocks"]:
-            found.append(f"{end['kv']['used_blocks']} KV blocks still held after the settle")
-        live = sum(end["requests"].values())
-        if live:
-            found.append(f"{live} requests still live after the settle")
-        if end["connections"]:
-            found.append(f"{end['connections']} connections still open after every client left")
-    for phase, numbers in report["well_behaved"].items():
-        if numbers["failed"]:
-            found.append(f"{numbers['failed']} well-behaved requests failed ({phase}): "
-                         f"{numbers['failures']}")
-        frozen = numbers["liveness"]
-        if frozen["unanswered"]:
-            found.append(f"daemon unresponsive ({phase}): {frozen['unanswered']} of "
-                         f"{frozen['probes']} probes unanswered, freezes {frozen['freezes']}")
-    for name, tally in report["hostile"].items():
-        if tally["missing_finished"] or tally["duplicate_finished"]:
-            found.append(f"{name}: {tally['missing_finished']} accepted requests without a "
-                         f"Finished, {tally['duplicate_finished']} with more than one")
-    for fault in report["faults"]:
-        if "error" in fault or fault.get("ready_after_seconds", 0) is None:
-            found.append(f"fault {fault['kind']} at {fault['at']}s: "
-                         f"{fault.get('error', 'the worker did not come back')}")
-    if not report["daemon_alive_after_soak"]:
-        found.append("the daemon died during the soak")
-    stopped = report.get("stop", {})
-    if stopped.get("exit_code") not in (0, None) or stopped.get("killed_after_sigterm"):
-        found.append(f"SIGTERM did not end the daemon cleanly: {stopped}")
-    if report.get("log", {}).get("lines_with_prompt_text"):
-        found.append("prompt text in the daemon's log")
-    return found
 
 
 def progress(line: str) -> None:
@@ -305,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         report["log"] = log_findings(daemon.log_path)
         if args.keep_log is not None:
             shutil.copyfile(daemon.log_path, args.keep_log)
-    report["problems"] = problems(report)
+    report = {"problems": problems(report), "summary": summary(report), **report}
     print(json.dumps(report, indent=2))
     return 1 if report["problems"] else 0
 

@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import trio
 import zmq
@@ -66,6 +67,7 @@ class DaemonProcess:
     listen: str
     control: str
     log_path: Path
+    log_file: IO[str]
 
     @property
     def pid(self) -> int:
@@ -81,11 +83,12 @@ def start_daemon(executor: str, folder: Path, *, timeout: float = 300.0) -> Daem
     text = CONFIG.format(max_frame_bytes=MAX_FRAME_BYTES)
     config.write_text(text + (MODEL_CONFIG if executor == "model" else NULL_CONFIG))
     log_path = folder / "sluiced.log"
+    log_file = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "sluice.daemon.main", "serve", "--config", str(config),
          "--executor", executor, "--listen", "tcp://127.0.0.1:0",
          "--control", f"ipc://{folder}/control.sock"],
-        stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
+        stdout=subprocess.PIPE, stderr=log_file, text=True,
         env={**os.environ, "SLUICE_LOG_LEVEL": "info"},
     )
     selector = selectors.DefaultSelector()
@@ -93,13 +96,21 @@ def start_daemon(executor: str, folder: Path, *, timeout: float = 300.0) -> Daem
     line = process.stdout.readline() if selector.select(timeout) else ""
     if not line.startswith("sluiced ready"):
         process.kill()
+        log_file.close()
         raise RuntimeError(f"sluiced did not become ready (first line {line!r}); see {log_path}")
     fields = dict(part.split("=", 1) for part in line.split()[2:])
-    return DaemonProcess(process, fields["listen"], fields["control"], log_path)
+    return DaemonProcess(process, fields["listen"], fields["control"], log_path, log_file)
 
 
 def stop_daemon(daemon: DaemonProcess, timeout: float = 30.0) -> dict:
     """SIGTERM (a drain), then SIGKILL if it does not exit in time; how it ended."""
+    try:
+        return _stop(daemon, timeout)
+    finally:
+        daemon.log_file.close()
+
+
+def _stop(daemon: DaemonProcess, timeout: float) -> dict:
     if not daemon.alive():
         return {"exit_code": daemon.process.returncode, "exited_before_stop": True}
     daemon.process.send_signal(signal.SIGTERM)
