@@ -156,6 +156,7 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
              f" and {','.join(args.chaos) or 'no faults'}")
     loaded, liveness = WellBehaved(), sd.Liveness()
     plan = sh.Plan(max_tokens=args.long_tokens, max_frame_bytes=sd.MAX_FRAME_BYTES,
+                   request_timeout=args.request_timeout,
                    non_readers=2 if args.executor == "model" else 4,
                    storm_requests=8 if args.executor == "model" else 16)
     tallies = {name: sh.Tally(name) for name in args.hostile}

@@ -309,15 +309,16 @@ async def inject(kind: str, daemon: DaemonProcess, recovery_timeout: float,
 async def chaos(kinds: list[str], daemon: DaemonProcess, origin: float, interval: float,
                 stop: trio.Event, events: list[dict], recovery_timeout: float,
                 decoy_tokens: int) -> None:
-    """Inject the selected faults in turn, one every `interval` seconds, until `stop`."""
+    """Inject the selected faults in turn, one every `interval` seconds from `origin` (later
+    when the one before took longer to recover), until `stop`."""
     turn = 0
     while kinds:
-        with trio.move_on_after(interval):
+        with trio.move_on_at(origin + (turn + 1) * interval):
             await stop.wait()
         if stop.is_set() or not daemon.alive():
             return
         kind = kinds[turn % len(kinds)]
         turn += 1
         at = round(trio.current_time() - origin, 1)
-        events.append({"at": at, **await inject(kind, daemon, recovery_timeout,
-                                                               decoy_tokens)})
+        event = await inject(kind, daemon, recovery_timeout, decoy_tokens)
+        events.append({"at": at, **event})

@@ -42,6 +42,7 @@ class Plan:
 
     max_tokens: int  # for requests meant to run long (non-readers, disconnects)
     max_frame_bytes: int  # the daemon's limit; oversize frames are a multiple of it
+    request_timeout: float  # how long a short request may take before its Finished is missing
     non_readers: int = 4  # connections at once
     flooders: int = 2
     # per flooding connection: the answers (~60 bytes each) must overflow the kernel's
@@ -237,7 +238,7 @@ async def disconnect(listen: str, plan: Plan, tally: Tally, stop: trio.Event) ->
                             tally.accepted += 1
                         got_chunk = got_chunk or isinstance(msg, (m.Chunk, m.Finished,
                                                                   m.Rejected))
-            tally.outcomes["left mid-stream" if got_chunk else "no chunk within 10s"] += 1
+            tally.outcomes["left mid-stream" if got_chunk else "left before a chunk (10s)"] += 1
         finally:
             client.close()
         await _pause(stop, 0.5)
@@ -258,7 +259,7 @@ async def cancel_storm(listen: str, plan: Plan, tally: Tally, stop: trio.Event) 
             for rid in sorted(rids):
                 client.send(m.Cancel(rid))
             client.send(m.Cancel(f"never-sent-{storm}"))
-            await read_until_ended(client, rids, timeout=20.0)
+            await read_until_ended(client, rids, timeout=plan.request_timeout)
         finally:
             client.close()
         await _pause(stop, 0.5)
@@ -277,7 +278,7 @@ async def churn(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None
                 tally.outcomes["described" if answer else "no ServerInfo within 3s"] += 1
             else:
                 client.send(generate("c", 2))
-                await read_until_ended(client, {"c"}, timeout=10.0, grace=0.05)
+                await read_until_ended(client, {"c"}, timeout=plan.request_timeout, grace=0.05)
         finally:
             client.close()
         await _pause(stop, 0.05)
