@@ -34,6 +34,7 @@ from sluice.ipc.control import fetch_status
 from sluice.ipc.errors import RejectedError, SluiceError
 
 import soak_daemon as sd
+import soak_faults as sf
 import soak_hostile as sh
 from soak_report import log_findings, problems, summary
 
@@ -154,7 +155,7 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
 
     progress(f"soak: {args.minutes:g} min with {','.join(args.hostile) or 'no hostiles'}"
              f" and {','.join(args.chaos) or 'no faults'}")
-    loaded, liveness = WellBehaved(), sd.Liveness()
+    loaded, liveness, invariants = WellBehaved(), sd.Liveness(), sd.InvariantWatch()
     plan = sh.Plan(max_tokens=args.long_tokens, max_frame_bytes=sd.MAX_FRAME_BYTES,
                    request_timeout=args.request_timeout,
                    non_readers=2 if args.executor == "model" else 4,
@@ -168,7 +169,8 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
         for name in args.hostile:
             for _ in range(sh.loops(name, plan)):
                 nursery.start_soon(sh.MODES[name], daemon.listen, plan, tallies[name], stop)
-        nursery.start_soon(sd.chaos, args.chaos, daemon, origin, args.chaos_interval, stop,
+        nursery.start_soon(invariants.watch, daemon.control, stop)
+        nursery.start_soon(sf.chaos, args.chaos, daemon, origin, args.chaos_interval, stop,
                            faults, args.recovery_timeout, args.long_tokens)
 
     await run_clients(args, daemon.listen, args.minutes * 60, loaded, hostiles)
@@ -176,10 +178,10 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
     progress("settle: every client gone; waiting for the daemon to drain")
     report["daemon_alive_after_soak"] = daemon.alive()
     report["memory_after_soak"] = sd.memory(daemon)
+    settle_started = trio.current_time()
     # a daemon that does not answer now gets a short settle: one more look, not a minute
     answering = await sd.describe_once(daemon.listen, 5.0) is not None
     settle_seconds = args.settle_seconds if answering else 5.0
-    settle_started = trio.current_time()
     report["end"] = await settle(daemon.control, settle_seconds) if daemon.alive() \
         else {"error": f"the daemon exited with {daemon.process.returncode}"}
     report["memory_at_end"] = sd.memory(daemon)
@@ -195,6 +197,7 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
                                                      else liveness).report()
     report["hostile"] = {name: tally.report() for name, tally in tallies.items()}
     report["faults"] = faults
+    report["invariants_while_running"] = invariants.report()
     return report
 
 
@@ -209,7 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hostile", default=",".join(sh.MODES),
                         help=f"comma-separated modes, or none (default all: {','.join(sh.MODES)})")
     parser.add_argument("--chaos", default=None,
-                        help="comma-separated faults of " + ",".join(sd.CHAOS_KINDS) +
+                        help="comma-separated faults of " + ",".join(sf.CHAOS_KINDS) +
                              ", or none (default: all that apply to the executor)")
     parser.add_argument("--chaos-interval", type=float, default=None,
                         help="seconds between faults (default 15 null, 30 model)")
@@ -224,8 +227,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     model = args.executor == "model"
     args.hostile = _names(args.hostile, sh.MODES, parser, "--hostile")
-    default_chaos = ",".join(sd.CHAOS_KINDS[0 if model else 1:])
-    args.chaos = _names(args.chaos or default_chaos, sd.CHAOS_KINDS, parser, "--chaos")
+    default_chaos = ",".join(sf.CHAOS_KINDS[0 if model else 1:])
+    args.chaos = _names(args.chaos or default_chaos, sf.CHAOS_KINDS, parser, "--chaos")
     # at least three faults in a short run
     args.chaos_interval = args.chaos_interval or min(30.0 if model else 15.0,
                                                      args.minutes * 60 / 4)

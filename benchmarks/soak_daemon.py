@@ -4,7 +4,7 @@
 fault injection and short heartbeat and pause timeouts (so that what a hostile client
 abandons is released within seconds), reads the memory of the daemon and of its worker from
 `/proc`, watches whether it still answers, and breaks it on purpose at intervals (the chaos
-schedule). Clients, well-behaved or hostile, live elsewhere.
+schedule, in `soak_faults.py`). Clients, well-behaved or hostile, live elsewhere.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ import zmq
 
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
-from sluice.ipc.control import fetch_status, send_command
+from sluice.ipc.control import fetch_status
 from sluice.ipc.errors import SluiceError
 from sluice.ipc.sockets import Socket
-from soak_hostile import OWNERS, RawClient, Tally, generate
 
 # small frames keep oversize probes cheap for this machine; the rest of [limits] is default
 MAX_FRAME_BYTES = 1024 * 1024
@@ -240,85 +239,34 @@ class Liveness:
                 "freezes": self.freezes, "frozen_at_end": self._frozen_since is not None}
 
 
-# -- chaos -------------------------------------------------------------------------------------
+@dataclass
+class InvariantWatch:
+    """`status` with the KV check every few seconds while the soak runs.
 
-CHAOS_KINDS = ("kill_worker", "worker_down", "vanish_stream")
+    Reported, not judged: the check is exact only between scheduler steps, and the daemon
+    answers a status query while a step is in flight (see the README)."""
 
+    checks: int = 0
+    unanswered: int = 0
+    with_errors: int = 0
+    samples: list[str] = field(default_factory=list)  # the first few, cut to 300 characters
 
-async def _wait_worker_ready(control: str, old_pid: int, timeout: float) -> float | None:
-    """Seconds until the worker is ready again (with a new pid, when it had one)."""
-    started = trio.current_time()
-    with trio.move_on_after(timeout):
-        while True:
-            await trio.sleep(0.2)
+    async def watch(self, control: str, stop: trio.Event, interval: float = 5.0) -> None:
+        while not stop.is_set():
+            with trio.move_on_after(interval):
+                await stop.wait()
+            if stop.is_set():
+                return
             try:
-                report = await fetch_status(control, timeout=2.0)
+                report = await fetch_status(control, check_invariants=True, timeout=3.0)
             except SluiceError:
+                self.unanswered += 1
                 continue
-            if report.worker.state == "ready" and (old_pid == 0 or report.worker.pid != old_pid):
-                return round(trio.current_time() - started, 2)
-    return None
+            self.checks += 1
+            if report.invariant_errors:
+                self.with_errors += 1
+                if len(self.samples) < 3:
+                    self.samples.append(report.invariant_errors[0][:300])
 
-
-async def _vanish_a_decoy(daemon: DaemonProcess, decoy_tokens: int) -> dict:
-    """Drop the newest connection's stream: a decoy opened just before, with one long
-    request, so that the fault hits it and not a client whose failures are counted."""
-    decoy = RawClient(daemon.listen, Tally("vanish_decoy"))
-    try:
-        decoy.send(generate("decoy", decoy_tokens, credits=1))
-        await decoy.read(5.0)
-        gone = await send_command(daemon.control, m.InjectFault("vanish_stream"), timeout=10.0)
-        victim = gone.message.split()[-1]
-        # what an operator does after a stream is lost: reconcile frees its requests
-        fixed = await send_command(daemon.control, m.ReconcileCommand(), timeout=10.0)
-    finally:
-        decoy.close()
-    return {"reply": gone.message, "victim": OWNERS.get(victim, "not a hostile connection"),
-            "reconcile_findings": list(fixed.findings)}
-
-
-async def inject(kind: str, daemon: DaemonProcess, recovery_timeout: float,
-                 decoy_tokens: int) -> dict:
-    """One fault; what it did and how long the daemon took to serve again."""
-    event: dict = {"kind": kind}
-    try:
-        if kind == "kill_worker":
-            pid = worker_pid(daemon.pid)
-            if pid is None:
-                return {**event, "skipped": "no worker process (null executor)"}
-            os.kill(pid, signal.SIGKILL)
-            event["pid"] = pid
-            event["ready_after_seconds"] = await _wait_worker_ready(daemon.control, pid,
-                                                                    recovery_timeout)
-        elif kind == "worker_down":
-            before = await fetch_status(daemon.control, timeout=5.0)
-            down = await send_command(daemon.control, m.InjectFault("worker_down"), timeout=35.0)
-            event["reply"] = down.message
-            await trio.sleep(1.0)  # requests queue up behind the stopped worker meanwhile
-            up = await send_command(daemon.control, m.RecoverCommand(), timeout=10.0)
-            event["recover"] = up.message
-            event["ready_after_seconds"] = await _wait_worker_ready(
-                daemon.control, before.worker.pid, recovery_timeout)
-        elif kind == "vanish_stream":
-            event.update(await _vanish_a_decoy(daemon, decoy_tokens))
-    except (SluiceError, OSError, trio.TooSlowError) as exc:
-        event["error"] = f"{type(exc).__name__}: {exc}"
-    return event
-
-
-async def chaos(kinds: list[str], daemon: DaemonProcess, origin: float, interval: float,
-                stop: trio.Event, events: list[dict], recovery_timeout: float,
-                decoy_tokens: int) -> None:
-    """Inject the selected faults in turn, one every `interval` seconds from `origin` (later
-    when the one before took longer to recover), until `stop`."""
-    turn = 0
-    while kinds:
-        with trio.move_on_at(origin + (turn + 1) * interval):
-            await stop.wait()
-        if stop.is_set() or not daemon.alive():
-            return
-        kind = kinds[turn % len(kinds)]
-        turn += 1
-        at = round(trio.current_time() - origin, 1)
-        event = await inject(kind, daemon, recovery_timeout, decoy_tokens)
-        events.append({"at": at, **event})
+    def report(self) -> dict:
+        return dict(self.__dict__)

@@ -25,6 +25,9 @@ from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
 from sluice.ipc.sockets import Socket
 
+# how often a client that waits says it is still there (the soak's daemon times out at 3 s)
+HEARTBEAT_SECONDS = 0.5
+
 # put in every prompt the soak sends, so the daemon's log can be searched for prompt text
 PROMPT_MARK = "soak-prompt-text-7f3a"
 
@@ -127,29 +130,36 @@ def generate(rid: str, max_tokens: int, *, credits: int = 16, prompt: str = "") 
 async def read_until_ended(client: RawClient, rids: set[str], timeout: float,
                            grace: float = 0.3) -> None:
     """Read until every request in `rids` is refused or finished, then `grace` seconds more
-    to catch a second `Finished`; count what came in the client's tally."""
+    to catch a second `Finished`; count what came in the client's tally. Heartbeats go out
+    meanwhile, as any client's must: a silent one is gone, and is sent nothing more."""
     tally = client.tally
     accepted: set[str] = set()
     finishes: Counter = Counter()
     open_rids = set(rids)
-    with trio.move_on_after(timeout):
-        while open_rids:
-            for msg in await client.read(timeout):
-                rid = getattr(msg, "request_id", "")
-                if isinstance(msg, m.Accepted):
-                    accepted.add(rid)
-                elif isinstance(msg, m.Rejected):
-                    tally.rejected[f"{msg.code.name.lower()}/{msg.field}"] += 1
-                    open_rids.discard(rid)
-                elif isinstance(msg, m.Finished):
-                    finishes[rid] += 1
-                    tally.finished[msg.reason.name.lower()] += 1
-                    open_rids.discard(rid)
+
+    def take(batch: list) -> None:
+        for msg in batch:
+            rid = getattr(msg, "request_id", "")
+            if isinstance(msg, m.Accepted):
+                accepted.add(rid)
+            elif isinstance(msg, m.Rejected):
+                tally.rejected[f"{msg.code.name.lower()}/{msg.field}"] += 1
+                open_rids.discard(rid)
+            elif isinstance(msg, m.Finished):
+                finishes[rid] += 1
+                tally.finished[msg.reason.name.lower()] += 1
+                open_rids.discard(rid)
+
+    deadline = trio.current_time() + timeout
+    next_beat = trio.current_time()
+    while open_rids and trio.current_time() < deadline:
+        if trio.current_time() >= next_beat:
+            client.send(m.Heartbeat())
+            next_beat = trio.current_time() + HEARTBEAT_SECONDS
+        take(await client.read(min(HEARTBEAT_SECONDS, deadline - trio.current_time())))
     deadline = trio.current_time() + grace
     while trio.current_time() < deadline:
-        for msg in await client.read(max(0.0, deadline - trio.current_time())):
-            if isinstance(msg, m.Finished):
-                finishes[msg.request_id] += 1
+        take(await client.read(max(0.0, deadline - trio.current_time())))
     tally.accepted += len(accepted)
     tally.missing_finished += sum(1 for rid in accepted if finishes[rid] == 0)
     tally.duplicate_finished += sum(1 for n in finishes.values() if n > 1)
@@ -233,7 +243,8 @@ async def disconnect(listen: str, plan: Plan, tally: Tally, stop: trio.Event) ->
             got_chunk = False
             with trio.move_on_after(10.0):
                 while not got_chunk:
-                    for msg in await client.read(10.0):
+                    client.send(m.Heartbeat())  # still here, until it vanishes
+                    for msg in await client.read(HEARTBEAT_SECONDS):
                         if isinstance(msg, m.Accepted):
                             tally.accepted += 1
                         got_chunk = got_chunk or isinstance(msg, (m.Chunk, m.Finished,
