@@ -18,7 +18,7 @@ from sluice.ipc.control import fetch_status, send_command
 from sluice.ipc.errors import SluiceError
 
 from soak_daemon import DaemonProcess, worker_pid
-from soak_hostile import OWNERS, RawClient, Tally, generate
+from soak_hostile import OWNERS, RawClient, Tally, connections_held, generate
 
 CHAOS_KINDS = ("kill_worker", "worker_down", "vanish_stream")
 
@@ -41,10 +41,18 @@ async def _wait_worker_ready(control: str, old_pid: int, timeout: float) -> floa
 async def _vanish_a_decoy(daemon: DaemonProcess, decoy_tokens: int) -> dict:
     """Drop the newest connection's stream: a decoy opened just before, with one long
     request, so that the fault hits it and not a client whose failures are counted."""
+    with connections_held():
+        await trio.sleep(0.3)  # connections opened just before send their first frame
+        return await _vanish(daemon, decoy_tokens)
+
+
+async def _vanish(daemon: DaemonProcess, decoy_tokens: int) -> dict:
     decoy = RawClient(daemon.listen, Tally("vanish_decoy"))
     try:
         decoy.send(generate("decoy", decoy_tokens, credits=1))
-        await decoy.read(5.0)
+        with trio.move_on_after(5.0):  # until it is accepted, saying it is still here
+            while not any(isinstance(msg, m.Accepted) for msg in await decoy.read(0.5)):
+                decoy.send(m.Heartbeat())
         gone = await send_command(daemon.control, m.InjectFault("vanish_stream"), timeout=10.0)
         victim = gone.message.split()[-1]
         # what an operator does after a stream is lost: reconcile frees its requests
@@ -56,22 +64,26 @@ async def _vanish_a_decoy(daemon: DaemonProcess, decoy_tokens: int) -> dict:
 
 
 async def inject(kind: str, daemon: DaemonProcess, recovery_timeout: float,
-                 decoy_tokens: int) -> dict:
-    """One fault; what it did and how long the daemon took to serve again."""
-    event: dict = {"kind": kind}
+                 decoy_tokens: int, event: dict) -> None:
+    """One fault; fills `event` as it goes with what it did and how long the daemon took to
+    serve again, so that a fault cut short by the end of the soak still shows."""
+    event["kind"] = kind
     try:
         if kind == "kill_worker":
             pid = worker_pid(daemon.pid)
             if pid is None:
-                return {**event, "skipped": "no worker process (null executor)"}
+                event["skipped"] = "no worker process (null executor)"
+                return
             os.kill(pid, signal.SIGKILL)
             event["pid"] = pid
+            event["ready_after_seconds"] = None  # until it is
             event["ready_after_seconds"] = await _wait_worker_ready(daemon.control, pid,
                                                                     recovery_timeout)
         elif kind == "worker_down":
             before = await fetch_status(daemon.control, timeout=5.0)
             down = await send_command(daemon.control, m.InjectFault("worker_down"), timeout=35.0)
             event["reply"] = down.message
+            event["ready_after_seconds"] = None
             await trio.sleep(1.0)  # requests queue up behind the stopped worker meanwhile
             up = await send_command(daemon.control, m.RecoverCommand(), timeout=10.0)
             event["recover"] = up.message
@@ -81,7 +93,6 @@ async def inject(kind: str, daemon: DaemonProcess, recovery_timeout: float,
             event.update(await _vanish_a_decoy(daemon, decoy_tokens))
     except (SluiceError, OSError, trio.TooSlowError) as exc:
         event["error"] = f"{type(exc).__name__}: {exc}"
-    return event
 
 
 async def chaos(kinds: list[str], daemon: DaemonProcess, origin: float, interval: float,
@@ -97,6 +108,6 @@ async def chaos(kinds: list[str], daemon: DaemonProcess, origin: float, interval
             return
         kind = kinds[turn % len(kinds)]
         turn += 1
-        at = round(trio.current_time() - origin, 1)
-        event = await inject(kind, daemon, recovery_timeout, decoy_tokens)
-        events.append({"at": at, **event})
+        event = {"at": round(trio.current_time() - origin, 1)}
+        events.append(event)
+        await inject(kind, daemon, recovery_timeout, decoy_tokens, event)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import trio
@@ -121,6 +122,29 @@ class RawClient:
         self.sock.close()
 
 
+_gate: trio.Event | None = None  # set while new hostile connections are held back
+
+
+async def connect(listen: str, tally: Tally, **options: int) -> RawClient:
+    """A new hostile connection, once no fault holds new connections back."""
+    while _gate is not None:
+        await _gate.wait()
+    return RawClient(listen, tally, **options)
+
+
+@contextmanager
+def connections_held():
+    """Hold new hostile connections back: the `vanish_stream` fault drops the newest
+    connection's stream, and it must be the fault's own decoy."""
+    global _gate
+    gate = _gate = trio.Event()
+    try:
+        yield
+    finally:
+        _gate = None
+        gate.set()
+
+
 def generate(rid: str, max_tokens: int, *, credits: int = 16, prompt: str = "") -> m.Generate:
     return m.Generate(rid, prompt=f"{PROMPT_MARK} {prompt}",
                       sampling=m.Sampling(max_tokens=max_tokens, temperature=0.0,
@@ -178,7 +202,7 @@ async def non_reader(listen: str, plan: Plan, tally: Tally, stop: trio.Event) ->
     """Ask for long generations with all the credits allowed, keep sending heartbeats (so
     the daemon cannot call it silent), and never read a byte."""
     while not stop.is_set():
-        client = RawClient(listen, tally, rcvhwm=16, rcvbuf=4096)
+        client = await connect(listen, tally, rcvhwm=16, rcvbuf=4096)
         try:
             for i in range(4):
                 client.send(generate(f"nr{i}", plan.max_tokens, credits=4096))
@@ -195,7 +219,7 @@ async def flood(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None
     """Send `Describe` as fast as the socket takes it, never reading the answers."""
     frame = _client_codec.encode(m.Describe())
     while not stop.is_set():
-        client = RawClient(listen, tally, rcvhwm=16, rcvbuf=4096)
+        client = await connect(listen, tally, rcvhwm=16, rcvbuf=4096)
         try:
             sent = 0
             with trio.move_on_after(plan.hold_seconds):
@@ -216,7 +240,7 @@ async def oversize(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> N
     frame = _client_codec.encode(
         generate("big", 4, prompt="x" * (4 * plan.max_frame_bytes)))
     while not stop.is_set():
-        client = RawClient(listen, tally)
+        client = await connect(listen, tally)
         try:
             client.send_frame(frame)
             answer = await client.read(3.0)
@@ -236,7 +260,7 @@ async def disconnect(listen: str, plan: Plan, tally: Tally, stop: trio.Event) ->
     """Start a long generation, take its first chunk, and vanish without a word."""
     n = 0
     while not stop.is_set():
-        client = RawClient(listen, tally)
+        client = await connect(listen, tally)
         try:
             n += 1
             client.send(generate(f"dc{n}", plan.max_tokens, credits=4))
@@ -260,7 +284,7 @@ async def cancel_storm(listen: str, plan: Plan, tally: Tally, stop: trio.Event) 
     existed; then wait for every accepted request's one `Finished`."""
     storm = 0
     while not stop.is_set():
-        client = RawClient(listen, tally)
+        client = await connect(listen, tally)
         try:
             storm += 1
             rids = {f"s{storm}-{i}" for i in range(plan.storm_requests)}
@@ -281,7 +305,7 @@ async def churn(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None
     n = 0
     while not stop.is_set():
         n += 1
-        client = RawClient(listen, tally)
+        client = await connect(listen, tally)
         try:
             if n % 2:
                 client.send(m.Describe())
