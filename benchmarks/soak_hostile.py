@@ -8,7 +8,7 @@ or file descriptors however the daemon behaves. Modes that read until their requ
 check that each accepted request got exactly one `Finished`.
 
 What does not belong here: the well-behaved load (the client library, in `soak.py`) and
-anything done to the daemon process (`soak_daemon.py`).
+anything done to the daemon process (`soak_daemon.py`, `soak_faults.py`).
 """
 
 from __future__ import annotations
