@@ -155,11 +155,12 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
 
     progress(f"soak: {args.minutes:g} min with {','.join(args.hostile) or 'no hostiles'}"
              f" and {','.join(args.chaos) or 'no faults'}")
-    loaded, liveness, invariants = WellBehaved(), sd.Liveness(), sd.InvariantWatch()
+    loaded, liveness, watch = WellBehaved(), sd.Liveness(), sd.StatusWatch()
     plan = sh.Plan(max_tokens=args.long_tokens, max_frame_bytes=sd.MAX_FRAME_BYTES,
                    request_timeout=args.request_timeout,
                    non_readers=2 if args.executor == "model" else 4,
-                   storm_requests=8 if args.executor == "model" else 16)
+                   storm_requests=8 if args.executor == "model" else 16,
+                   hoard_connections=sd.MAX_CONNECTIONS + 32)
     tallies = {name: sh.Tally(name) for name in args.hostile}
     faults: list[dict] = []
 
@@ -169,7 +170,7 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
         for name in args.hostile:
             for _ in range(sh.loops(name, plan)):
                 nursery.start_soon(sh.MODES[name], daemon.listen, plan, tallies[name], stop)
-        nursery.start_soon(invariants.watch, daemon.control, stop)
+        nursery.start_soon(watch.watch, daemon.control, stop)
         nursery.start_soon(sf.chaos, args.chaos, daemon, origin, args.chaos_interval, stop,
                            faults, args.recovery_timeout, args.long_tokens)
 
@@ -197,7 +198,8 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
                                                      else liveness).report()
     report["hostile"] = {name: tally.report() for name, tally in tallies.items()}
     report["faults"] = faults
-    report["invariants_while_running"] = invariants.report()
+    report["status_while_running"] = {**watch.report(),
+                                      "max_connections": sd.MAX_CONNECTIONS}
     return report
 
 

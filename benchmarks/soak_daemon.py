@@ -29,8 +29,10 @@ from sluice.ipc.control import fetch_status
 from sluice.ipc.errors import SluiceError
 from sluice.ipc.sockets import Socket
 
-# small frames keep oversize probes cheap for this machine; the rest of [limits] is default
+# small frames keep oversize probes cheap for this machine; a connection cap the hoarding
+# clients can exceed without costing this machine many file descriptors
 MAX_FRAME_BYTES = 1024 * 1024
+MAX_CONNECTIONS = 64
 
 CONFIG = """
 [daemon]
@@ -44,6 +46,7 @@ pause_timeout = 3.0
 
 [limits]
 max_frame_bytes = {max_frame_bytes}
+max_connections = {max_connections}
 """
 
 MODEL_CONFIG = """
@@ -79,7 +82,7 @@ class DaemonProcess:
 def start_daemon(executor: str, folder: Path, *, timeout: float = 300.0) -> DaemonProcess:
     """Run `sluiced serve` on loopback with the soak config; return once it said ready."""
     config = folder / "sluiced.toml"
-    text = CONFIG.format(max_frame_bytes=MAX_FRAME_BYTES)
+    text = CONFIG.format(max_frame_bytes=MAX_FRAME_BYTES, max_connections=MAX_CONNECTIONS)
     config.write_text(text + (MODEL_CONFIG if executor == "model" else NULL_CONFIG))
     log_path = folder / "sluiced.log"
     log_file = open(log_path, "w")
@@ -202,7 +205,8 @@ async def describe_once(listen: str, timeout: float) -> float | None:
 
 @dataclass
 class Liveness:
-    """Probes of the client socket once a second: a run of failures is a freeze."""
+    """A `Describe` once a second over one connection (opened before any hostile client, so
+    a connection cap never refuses it): no answer within the timeout starts a freeze."""
 
     probes: int = 0
     failed: int = 0
@@ -212,21 +216,36 @@ class Liveness:
 
     async def watch(self, listen: str, origin: float, stop: trio.Event,
                     timeout: float = 3.0) -> None:
-        while not stop.is_set():
-            answer = await describe_once(listen, timeout)
-            now = trio.current_time()
-            self.probes += 1
-            if answer is None:
-                self.failed += 1
-                if self._frozen_since is None:
-                    self._frozen_since = now - timeout
-                    self.freezes.append({"at": round(self._frozen_since - origin, 1),
-                                         "seconds": None})
-            else:
-                self.worst_answer_seconds = max(self.worst_answer_seconds, answer)
-                self._close_freeze(now)
-            with trio.move_on_after(1.0):
-                await stop.wait()
+        frame = _client_codec.encode(m.Describe())
+        with Socket(zmq.DEALER) as sock:
+            sock.connect(listen)
+            while not stop.is_set():
+                while sock.zmq.poll(0):  # a late answer to an earlier probe
+                    sock.zmq.recv()
+                started = trio.current_time()
+                answer = None
+                with trio.move_on_after(timeout):
+                    await sock.send(frame)
+                    while answer is None:
+                        batch = _server_codec.decode_batch(await sock.recv())
+                        if any(isinstance(msg, m.ServerInfo) for msg in batch):
+                            answer = trio.current_time() - started
+                self._record(answer, origin, timeout)
+                with trio.move_on_after(1.0):
+                    await stop.wait()
+
+    def _record(self, answer: float | None, origin: float, timeout: float) -> None:
+        now = trio.current_time()
+        self.probes += 1
+        if answer is None:
+            self.failed += 1
+            if self._frozen_since is None:
+                self._frozen_since = now - timeout
+                self.freezes.append({"at": round(self._frozen_since - origin, 1),
+                                     "seconds": None})
+        else:
+            self.worst_answer_seconds = max(self.worst_answer_seconds, answer)
+            self._close_freeze(now)
 
     def _close_freeze(self, now: float) -> None:
         if self._frozen_since is not None:
@@ -240,18 +259,20 @@ class Liveness:
 
 
 @dataclass
-class InvariantWatch:
-    """`status` with the KV check every few seconds while the soak runs.
+class StatusWatch:
+    """`status` with the KV check every few seconds while the soak runs: the invariant
+    errors seen, and the most live connections the daemon reported.
 
-    Reported, not judged: the check is exact only between scheduler steps, and the daemon
-    answers a status query while a step is in flight (see the README)."""
+    The errors are reported, not judged: the check is exact only between scheduler steps,
+    and the daemon answers a status query while a step is in flight (see the README)."""
 
     checks: int = 0
     unanswered: int = 0
-    with_errors: int = 0
+    with_invariant_errors: int = 0
     samples: list[str] = field(default_factory=list)  # the first few, cut to 300 characters
+    peak_connections: int = 0
 
-    async def watch(self, control: str, stop: trio.Event, interval: float = 5.0) -> None:
+    async def watch(self, control: str, stop: trio.Event, interval: float = 2.5) -> None:
         while not stop.is_set():
             with trio.move_on_after(interval):
                 await stop.wait()
@@ -263,8 +284,9 @@ class InvariantWatch:
                 self.unanswered += 1
                 continue
             self.checks += 1
+            self.peak_connections = max(self.peak_connections, report.connections)
             if report.invariant_errors:
-                self.with_errors += 1
+                self.with_invariant_errors += 1
                 if len(self.samples) < 3:
                     self.samples.append(report.invariant_errors[0][:300])
 

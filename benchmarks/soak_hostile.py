@@ -1,7 +1,7 @@
 """Hostile clients for the soak: raw DEALER sockets that speak the wire protocol by hand.
 
 Each mode is one way a stranger can misuse the daemon (never read, flood, send oversize
-frames, vanish mid-stream, cancel in storms, churn connections) and runs until `stop`. Every
+frames, vanish mid-stream, cancel in storms, churn connections, hoard connections) and runs until `stop`. Every
 loop is bounded in count and time, every socket has small high-water marks, and traffic goes
 only to the daemon on loopback, so that this process cannot exhaust its own machine's memory
 or file descriptors however the daemon behaves. Modes that read until their requests end
@@ -54,6 +54,7 @@ class Plan:
     flood_frames: int = 200_000
     hold_seconds: float = 10.0  # how long a non-reader or flooder keeps its connection
     storm_requests: int = 16  # per cancel storm
+    hoard_connections: int = 96  # held at once; more than the daemon's connection cap
 
 
 @dataclass
@@ -188,6 +189,7 @@ async def read_until_ended(client: RawClient, rids: set[str], timeout: float,
     tally.missing_finished += sum(1 for rid in accepted if finishes[rid] == 0)
     tally.duplicate_finished += sum(1 for n in finishes.values() if n > 1)
     tally.outcomes["finished_without_accepted"] += sum(1 for r in finishes if r not in accepted)
+    tally.outcomes["no answer"] += sum(1 for r in open_rids if r not in accepted)
 
 
 async def _pause(stop: trio.Event, seconds: float) -> None:
@@ -319,11 +321,35 @@ async def churn(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None
         await _pause(stop, 0.05)
 
 
+async def hoard(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None:
+    """Open more connections than the daemon's cap allows, each with one small request,
+    and keep them all alive with heartbeats for a while; then let go, and again."""
+    while not stop.is_set():
+        clients: list[RawClient] = []
+        try:
+            for _ in range(plan.hoard_connections):
+                clients.append(await connect(listen, tally))
+                clients[-1].send(generate("h", 1))
+            async with trio.open_nursery() as nursery:
+                for client in clients:
+                    nursery.start_soon(read_until_ended, client, {"h"}, plan.request_timeout)
+            for _ in range(int(plan.hold_seconds / HEARTBEAT_SECONDS)):
+                for client in clients:
+                    client.send(m.Heartbeat())
+                await _pause(stop, HEARTBEAT_SECONDS)
+                if stop.is_set():
+                    break
+        finally:
+            for client in clients:
+                client.close()
+        await _pause(stop, 2.0)
+
+
 Mode = Callable[[str, Plan, Tally, trio.Event], Awaitable[None]]
 
 MODES: dict[str, Mode] = {
     "non_reader": non_reader, "flood": flood, "oversize": oversize,
-    "disconnect": disconnect, "cancel_storm": cancel_storm, "churn": churn,
+    "disconnect": disconnect, "cancel_storm": cancel_storm, "churn": churn, "hoard": hoard,
 }
 
 

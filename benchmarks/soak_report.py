@@ -110,6 +110,11 @@ def problems(report: dict) -> list[str]:
         if "error" in fault or fault.get("ready_after_seconds", 0) is None:
             found.append(f"fault {fault['kind']} at {fault['at']}s: "
                          f"{fault.get('error', 'the worker did not come back')}")
+    status = report["status_while_running"]
+    if status["peak_connections"] > status["max_connections"]:
+        found.append(f"connection cap not enforced: the daemon reported "
+                     f"{status['peak_connections']} live connections with max_connections = "
+                     f"{status['max_connections']}")
     if not report["daemon_alive_after_soak"]:
         found.append("the daemon died during the soak")
     stopped = report.get("stop", {})
