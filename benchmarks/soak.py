@@ -37,6 +37,7 @@ import soak_daemon as sd
 import soak_faults as sf
 import soak_hostile as sh
 from soak_report import log_findings, problems, summary
+from soak_wire import PROMPT_MARK
 
 
 @dataclass
@@ -76,7 +77,7 @@ async def well_behaved_client(listen: str, number: int, max_tokens: int, timeout
                     with trio.fail_after(timeout):
                         generation = await client.generate(
                             messages=[{"role": "user",
-                                       "content": f"{sh.PROMPT_MARK} client {number} asks #{n}"}],
+                                       "content": f"{PROMPT_MARK} client {number} asks #{n}"}],
                             max_tokens=max_tokens, temperature=0.0)
                         record.accepted += 1
                         accepted = True

@@ -18,7 +18,7 @@ from sluice.ipc.control import fetch_status, send_command
 from sluice.ipc.errors import SluiceError
 
 from soak_daemon import DaemonProcess, worker_pid
-from soak_hostile import OWNERS, RawClient, Tally, connections_held, generate
+from soak_wire import OWNERS, RawClient, Tally, connections_held, generate
 
 CHAOS_KINDS = ("kill_worker", "worker_down", "vanish_stream")
 

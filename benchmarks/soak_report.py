@@ -12,7 +12,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from soak_hostile import PROMPT_MARK
+from soak_wire import PROMPT_MARK
 
 
 def log_findings(path: Path) -> dict:
