@@ -1,0 +1,276 @@
+"""Soak: the daemon under well-behaved load, hostile clients and faults for N minutes.
+
+    .venv/bin/python benchmarks/soak.py --minutes 0.5                      # null executor
+    .venv/bin/python benchmarks/soak.py --executor model --minutes 2
+    .venv/bin/python benchmarks/soak.py --hostile flood --chaos none       # one mode alone
+
+Phases, against one `sluiced serve` child process on loopback: warm-up; a quiet baseline
+(the well-behaved clients alone); the soak (the same clients beside the hostile modes of
+`soak_hostile.py`, with the faults of `soak_daemon.py` at intervals); then the settle (every
+client gone, the daemon must drain to no live request and no used KV block, with the KV
+invariant holding). One JSON object goes to stdout, progress to stderr; the exit status is 1
+when the report lists a problem. A frozen daemon is reported, not waited for: every wait
+here has a timeout.
+
+This file holds the phases, the well-behaved clients (the client library, as applications
+use it) and the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import trio
+
+from sluice.ipc.client import AsyncClient
+from sluice.ipc.control import fetch_status
+from sluice.ipc.errors import RejectedError, SluiceError
+
+import soak_daemon as sd
+import soak_faults as sf
+import soak_hostile as sh
+from soak_report import log_findings, problems, summary
+from soak_wire import PROMPT_MARK
+
+
+@dataclass
+class WellBehaved:
+    """Requests of the well-behaved clients: latency from send to `Finished`, and failures."""
+
+    latencies: list[float] = field(default_factory=list)
+    accepted: int = 0
+    without_finished: int = 0  # accepted, then no Finished within the timeout
+    failures: Counter = field(default_factory=Counter)  # what went wrong -> n
+
+    def report(self) -> dict:
+        ordered = sorted(self.latencies)
+
+        def quantile(q: float) -> float | None:
+            return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4) \
+                if ordered else None
+
+        return {"requests": len(ordered) + sum(self.failures.values()),
+                "accepted": self.accepted, "completed": len(ordered),
+                "without_finished": self.without_finished,
+                "failed": sum(self.failures.values()), "failures": dict(self.failures),
+                "p50_seconds": quantile(0.50), "p99_seconds": quantile(0.99)}
+
+
+async def well_behaved_client(listen: str, number: int, max_tokens: int, timeout: float,
+                              record: WellBehaved, stop: trio.Event) -> None:
+    """One application: a chat request, read to the end, a short think, again."""
+    n = 0
+    while not stop.is_set():
+        async with AsyncClient(listen, credit_window=8) as client:
+            while not stop.is_set():
+                n += 1
+                started = trio.current_time()
+                accepted = False
+                try:
+                    with trio.fail_after(timeout):
+                        generation = await client.generate(
+                            messages=[{"role": "user",
+                                       "content": f"{PROMPT_MARK} client {number} asks #{n}"}],
+                            max_tokens=max_tokens, temperature=0.0)
+                        record.accepted += 1
+                        accepted = True
+                        result = await generation.collect()
+                except trio.TooSlowError:
+                    record.failures[f"no answer within {timeout:g}s"] += 1
+                    record.without_finished += accepted
+                    break  # this connection may be wedged: start a fresh one
+                except RejectedError as exc:
+                    record.failures[f"rejected: {type(exc).__name__}"] += 1
+                    await trio.sleep(0.2)
+                    continue
+                except SluiceError as exc:
+                    record.failures[f"{type(exc).__name__}"] += 1
+                    record.without_finished += accepted
+                    break
+                if result.finish_reason in ("length", "stop"):
+                    record.latencies.append(trio.current_time() - started)
+                else:
+                    record.failures[f"finished: {result.finish_reason}"] += 1
+                await trio.sleep(0.05)
+
+
+async def run_clients(args, listen: str, seconds: float, record: WellBehaved,
+                      extra=None) -> None:
+    """The well-behaved clients (and `extra(nursery, stop)`) for `seconds`, then stop them;
+    past a grace period whatever still waits is cancelled."""
+    stop = trio.Event()
+    with trio.move_on_after(seconds + args.request_timeout + 10):
+        async with trio.open_nursery() as nursery:
+            for number in range(args.clients):
+                nursery.start_soon(well_behaved_client, listen, number, args.max_tokens,
+                                   args.request_timeout, record, stop)
+            if extra is not None:
+                extra(nursery, stop)
+            await trio.sleep(seconds)
+            stop.set()
+
+
+async def settle(control: str, timeout: float) -> dict:
+    """Wait for no live request, no used block and no connection (a vanished client is
+    noticed within the heartbeat timeout); then the status with the KV check."""
+    with trio.move_on_after(timeout):
+        while True:
+            try:
+                report = await fetch_status(control, timeout=5.0)
+                live = report.requests.waiting + report.requests.running + report.requests.paused
+                if live == 0 and report.kv.used_blocks == 0 and report.connections == 0:
+                    break
+            except SluiceError:
+                pass
+            await trio.sleep(0.5)
+    try:
+        report = await fetch_status(control, check_invariants=True, timeout=10.0)
+    except SluiceError as exc:
+        return {"error": f"no status: {exc}"}
+    return {"worker": asdict(report.worker), "kv": asdict(report.kv),
+            "requests": asdict(report.requests), "counters": asdict(report.counters),
+            "connections": report.connections, "invariant_errors": list(report.invariant_errors)}
+
+
+async def soak(args, daemon: sd.DaemonProcess) -> dict:
+    report: dict = {"executor": args.executor, "minutes": args.minutes,
+                    "hostile_modes": args.hostile, "chaos_kinds": args.chaos}
+    progress("warm-up")
+    warm = WellBehaved()
+    await run_clients(argparse.Namespace(**{**vars(args), "clients": 1}), daemon.listen,
+                      args.warmup_seconds, warm)
+    report["memory_after_warmup"] = sd.memory(daemon)
+
+    progress(f"baseline: {args.clients} well-behaved clients for {args.baseline_seconds:g}s")
+    baseline, quiet = WellBehaved(), sd.Liveness()
+    await run_clients(args, daemon.listen, args.baseline_seconds, baseline,
+                      lambda nursery, stop: nursery.start_soon(
+                          quiet.watch, daemon.listen, trio.current_time(), stop))
+
+    progress(f"soak: {args.minutes:g} min with {','.join(args.hostile) or 'no hostiles'}"
+             f" and {','.join(args.chaos) or 'no faults'}")
+    loaded, liveness, watch = WellBehaved(), sd.Liveness(), sd.StatusWatch()
+    plan = sh.Plan(max_tokens=args.long_tokens, max_frame_bytes=sd.MAX_FRAME_BYTES,
+                   request_timeout=args.request_timeout,
+                   non_readers=2 if args.executor == "model" else 4,
+                   storm_requests=8 if args.executor == "model" else 16,
+                   hoard_connections=sd.MAX_CONNECTIONS + 32)
+    tallies = {name: sh.Tally(name) for name in args.hostile}
+    faults: list[dict] = []
+
+    def hostiles(nursery: trio.Nursery, stop: trio.Event) -> None:
+        origin = trio.current_time()  # times of freezes and faults count from here
+        nursery.start_soon(liveness.watch, daemon.listen, origin, stop)
+        for name in args.hostile:
+            for _ in range(sh.loops(name, plan)):
+                nursery.start_soon(sh.MODES[name], daemon.listen, plan, tallies[name], stop)
+        nursery.start_soon(watch.watch, daemon.control, stop)
+        nursery.start_soon(sf.chaos, args.chaos, daemon, origin, args.chaos_interval, stop,
+                           faults, args.recovery_timeout, args.long_tokens)
+
+    await run_clients(args, daemon.listen, args.minutes * 60, loaded, hostiles)
+
+    progress("settle: every client gone; waiting for the daemon to drain")
+    report["daemon_alive_after_soak"] = daemon.alive()
+    report["memory_after_soak"] = sd.memory(daemon)
+    settle_started = trio.current_time()
+    # a daemon that does not answer now gets a short settle: one more look, not a minute
+    answering = await sd.describe_once(daemon.listen, 5.0) is not None
+    settle_seconds = args.settle_seconds if answering else 5.0
+    report["end"] = await settle(daemon.control, settle_seconds) if daemon.alive() \
+        else {"error": f"the daemon exited with {daemon.process.returncode}"}
+    report["memory_at_end"] = sd.memory(daemon)
+    # CPU close to wall time while nothing is asked of it: the daemon is spinning
+    cpu = [report[k]["daemon_cpu_seconds"] for k in ("memory_after_soak", "memory_at_end")]
+    report["settle"] = {"wall_seconds": round(trio.current_time() - settle_started, 1),
+                        "daemon_cpu_seconds": None if None in cpu else round(cpu[1] - cpu[0], 1)}
+    answer = await sd.describe_once(daemon.listen, 5.0)
+    report["end"]["describe_answered"] = answer is not None
+    report["well_behaved"] = {"baseline": baseline.report(), "under_soak": loaded.report()}
+    for phase in ("baseline", "under_soak"):
+        report["well_behaved"][phase]["liveness"] = (quiet if phase == "baseline"
+                                                     else liveness).report()
+    report["hostile"] = {name: tally.report() for name, tally in tallies.items()}
+    report["faults"] = faults
+    report["status_while_running"] = {**watch.report(),
+                                      "max_connections": sd.MAX_CONNECTIONS}
+    return report
+
+
+def progress(line: str) -> None:
+    print(f"soak: {line}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--executor", choices=("null", "model"), default="null")
+    parser.add_argument("--minutes", type=float, default=1.0, help="length of the soak phase")
+    parser.add_argument("--hostile", default=",".join(sh.MODES),
+                        help=f"comma-separated modes, or none (default all: {','.join(sh.MODES)})")
+    parser.add_argument("--chaos", default=None,
+                        help="comma-separated faults of " + ",".join(sf.CHAOS_KINDS) +
+                             ", or none (default: all that apply to the executor)")
+    parser.add_argument("--chaos-interval", type=float, default=None,
+                        help="seconds between faults (default 15 null, 30 model)")
+    parser.add_argument("--clients", type=int, default=None,
+                        help="well-behaved clients (default 4 null, 2 model)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="per well-behaved request (default 32 null, 8 model)")
+    parser.add_argument("--keep-log", type=Path, default=None,
+                        help="copy the daemon's log (JSON lines) to this file")
+    parser.add_argument("--baseline-seconds", type=float, default=None,
+                        help="quiet baseline (default: a quarter of the soak, 5 to 30 s)")
+    args = parser.parse_args(argv)
+    model = args.executor == "model"
+    args.hostile = _names(args.hostile, sh.MODES, parser, "--hostile")
+    default_chaos = ",".join(sf.CHAOS_KINDS[0 if model else 1:])
+    args.chaos = _names(args.chaos or default_chaos, sf.CHAOS_KINDS, parser, "--chaos")
+    # at least three faults in a short run
+    args.chaos_interval = args.chaos_interval or min(30.0 if model else 15.0,
+                                                     args.minutes * 60 / 4)
+    args.clients = args.clients or (2 if model else 4)
+    args.max_tokens = args.max_tokens or (8 if model else 32)
+    args.baseline_seconds = args.baseline_seconds or min(30.0, max(5.0, args.minutes * 15))
+    args.warmup_seconds = 10.0 if model else 2.0
+    args.long_tokens = 48 if model else 3000  # non-readers, disconnects, decoys
+    args.request_timeout = 120.0 if model else 30.0
+    args.recovery_timeout = 240.0 if model else 30.0
+    args.settle_seconds = 60.0
+    return args
+
+
+def _names(text: str, known, parser: argparse.ArgumentParser, flag: str) -> list[str]:
+    names = [] if text == "none" else [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"{flag}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="sluice-soak-") as folder:
+        progress(f"starting sluiced --executor {args.executor}")
+        daemon = sd.start_daemon(args.executor, Path(folder))
+        try:
+            report = trio.run(soak, args, daemon)
+        finally:
+            stop = sd.stop_daemon(daemon)
+        report["stop"] = stop
+        report["log"] = log_findings(daemon.log_path)
+        if args.keep_log is not None:
+            shutil.copyfile(daemon.log_path, args.keep_log)
+    report = {"problems": problems(report), "summary": summary(report), **report}
+    print(json.dumps(report, indent=2))
+    return 1 if report["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

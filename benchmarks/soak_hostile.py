@@ -1,0 +1,208 @@
+"""Hostile clients for the soak: raw DEALER sockets that speak the wire protocol by hand.
+
+Each mode is one way a stranger can misuse the daemon (never read, flood, send oversize
+frames, vanish mid-stream, cancel in storms, churn connections, hoard connections) and runs until `stop`. Every
+loop is bounded in count and time, every socket has small high-water marks, and traffic goes
+only to the daemon on loopback, so that this process cannot exhaust its own machine's memory
+or file descriptors however the daemon behaves. Modes that read until their requests end
+check that each accepted request got exactly one `Finished`. The protocol spoken by hand is
+in `soak_wire.py`.
+
+What does not belong here: the well-behaved load (the client library, in `soak.py`) and
+anything done to the daemon process (`soak_daemon.py`, `soak_faults.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from sluice.ipc import messages as m
+
+from soak_wire import (HEARTBEAT_SECONDS, RawClient, Tally, client_codec, connect,
+                       generate, read_until_ended)
+
+@dataclass
+class Plan:
+    """How hard the hostile modes push; `soak.py` scales it to the executor."""
+
+    max_tokens: int  # for requests meant to run long (non-readers, disconnects)
+    max_frame_bytes: int  # the daemon's limit; oversize frames are a multiple of it
+    request_timeout: float  # how long a short request may take before its Finished is missing
+    non_readers: int = 4  # connections at once
+    flooders: int = 2
+    # per flooding connection: the answers (~60 bytes each) must overflow the kernel's
+    # socket buffers (a few MB) and the daemon's per-peer queue before the daemon notices
+    flood_frames: int = 200_000
+    hold_seconds: float = 10.0  # how long a non-reader or flooder keeps its connection
+    storm_requests: int = 16  # per cancel storm
+    hoard_connections: int = 96  # held at once; more than the daemon's connection cap
+
+
+async def _pause(stop: trio.Event, seconds: float) -> None:
+    with trio.move_on_after(seconds):
+        await stop.wait()
+
+
+# -- the modes -------------------------------------------------------------------------------
+
+
+async def non_reader(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None:
+    """Ask for long generations with all the credits allowed, keep sending heartbeats (so
+    the daemon cannot call it silent), and never read a byte."""
+    while not stop.is_set():
+        client = await connect(listen, tally, rcvhwm=16, rcvbuf=4096)
+        try:
+            for i in range(4):
+                client.send(generate(f"nr{i}", plan.max_tokens, credits=4096))
+            for _ in range(int(plan.hold_seconds / 0.5)):
+                client.send(m.Heartbeat())
+                await _pause(stop, 0.5)
+                if stop.is_set():
+                    break
+        finally:
+            client.close()
+
+
+async def flood(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None:
+    """Send `Describe` as fast as the socket takes it, never reading the answers."""
+    frame = client_codec.encode(m.Describe())
+    while not stop.is_set():
+        client = await connect(listen, tally, rcvhwm=16, rcvbuf=4096)
+        try:
+            sent = 0
+            with trio.move_on_after(plan.hold_seconds):
+                while sent < plan.flood_frames and not stop.is_set():
+                    if client.send_frame(frame):
+                        sent += 1
+                        if sent % 200 == 0:
+                            await trio.sleep(0)
+                    else:
+                        await trio.sleep(0.01)
+                await _pause(stop, plan.hold_seconds)  # hold the unread answers a while
+        finally:
+            client.close()
+
+
+async def oversize(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None:
+    """Once a second, a fresh connection sends one frame 4x the daemon's frame limit."""
+    frame = client_codec.encode(
+        generate("big", 4, prompt="x" * (4 * plan.max_frame_bytes)))
+    while not stop.is_set():
+        client = await connect(listen, tally)
+        try:
+            client.send_frame(frame)
+            answer = await client.read(3.0)
+            if not answer:
+                tally.outcomes["no reply within 3s"] += 1
+            for msg in answer:
+                if isinstance(msg, m.Rejected):
+                    tally.rejected[f"{msg.code.name.lower()}/{msg.field}"] += 1
+                else:
+                    tally.outcomes[type(msg).__name__] += 1
+        finally:
+            client.close()
+        await _pause(stop, 1.0)
+
+
+async def disconnect(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None:
+    """Start a long generation, take its first chunk, and vanish without a word."""
+    n = 0
+    while not stop.is_set():
+        client = await connect(listen, tally)
+        try:
+            n += 1
+            client.send(generate(f"dc{n}", plan.max_tokens, credits=4))
+            got_chunk = False
+            with trio.move_on_after(10.0):
+                while not got_chunk:
+                    client.send(m.Heartbeat())  # still here, until it vanishes
+                    for msg in await client.read(HEARTBEAT_SECONDS):
+                        if isinstance(msg, m.Accepted):
+                            tally.accepted += 1
+                        got_chunk = got_chunk or isinstance(msg, (m.Chunk, m.Finished,
+                                                                  m.Rejected))
+            tally.outcomes["left mid-stream" if got_chunk else "left before a chunk (10s)"] += 1
+        finally:
+            client.close()
+        await _pause(stop, 0.5)
+
+
+async def cancel_storm(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None:
+    """Send a burst of requests and cancel each at once, twice, plus ids that never
+    existed; then wait for every accepted request's one `Finished`."""
+    storm = 0
+    while not stop.is_set():
+        client = await connect(listen, tally)
+        try:
+            storm += 1
+            rids = {f"s{storm}-{i}" for i in range(plan.storm_requests)}
+            for rid in sorted(rids):
+                client.send(generate(rid, plan.max_tokens))
+                client.send(m.Cancel(rid))
+            for rid in sorted(rids):
+                client.send(m.Cancel(rid))
+            client.send(m.Cancel(f"never-sent-{storm}"))
+            await read_until_ended(client, rids, timeout=plan.request_timeout)
+        finally:
+            client.close()
+        await _pause(stop, 0.5)
+
+
+async def churn(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None:
+    """Connect, do one small thing (a `Describe` or a 2-token request), leave; repeat."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+        client = await connect(listen, tally)
+        try:
+            if n % 2:
+                client.send(m.Describe())
+                answer = await client.read(3.0)
+                tally.outcomes["described" if answer else "no ServerInfo within 3s"] += 1
+            else:
+                client.send(generate("c", 2))
+                await read_until_ended(client, {"c"}, timeout=plan.request_timeout, grace=0.05)
+        finally:
+            client.close()
+        await _pause(stop, 0.05)
+
+
+async def hoard(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None:
+    """Open more connections than the daemon's cap allows, each with one small request,
+    and keep them all alive with heartbeats for a while; then let go, and again."""
+    while not stop.is_set():
+        clients: list[RawClient] = []
+        try:
+            for _ in range(plan.hoard_connections):
+                clients.append(await connect(listen, tally))
+                clients[-1].send(generate("h", 1))
+            async with trio.open_nursery() as nursery:
+                for client in clients:
+                    nursery.start_soon(read_until_ended, client, {"h"}, plan.request_timeout)
+            for _ in range(int(plan.hold_seconds / HEARTBEAT_SECONDS)):
+                for client in clients:
+                    client.send(m.Heartbeat())
+                await _pause(stop, HEARTBEAT_SECONDS)
+                if stop.is_set():
+                    break
+        finally:
+            for client in clients:
+                client.close()
+        await _pause(stop, 2.0)
+
+
+Mode = Callable[[str, Plan, Tally, trio.Event], Awaitable[None]]
+
+MODES: dict[str, Mode] = {
+    "non_reader": non_reader, "flood": flood, "oversize": oversize,
+    "disconnect": disconnect, "cancel_storm": cancel_storm, "churn": churn, "hoard": hoard,
+}
+
+
+def loops(name: str, plan: Plan) -> int:
+    """How many loops of a mode run at once."""
+    return {"non_reader": plan.non_readers, "flood": plan.flooders, "disconnect": 2,
+            "churn": 2}.get(name, 1)

@@ -1,0 +1,170 @@
+"""Speaking the wire protocol by hand, for the soak's hostile clients.
+
+A `RawClient` is one DEALER connection with small high-water marks that sends without ever
+waiting; `read_until_ended` reads a connection's requests to their end (sending heartbeats,
+as any client must) and checks that each accepted request got exactly one `Finished`; a
+`Tally` counts what one hostile mode did and what came back. The modes themselves are in
+`soak_hostile.py`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import trio
+import zmq
+
+from sluice.ipc import messages as m
+from sluice.ipc.codec import Codec, CodecError
+from sluice.ipc.sockets import Socket
+
+# how often a client that waits says it is still there (the soak's daemon times out at 3 s)
+HEARTBEAT_SECONDS = 0.5
+
+# put in every prompt the soak sends, so the daemon's log can be searched for prompt text
+PROMPT_MARK = "soak-prompt-text-7f3a"
+
+client_codec = Codec(m.CLIENT_MESSAGES)
+_server_codec = Codec(m.SERVER_MESSAGES, max_frame_bytes=64 * 1024 * 1024)
+
+# connection identity (hex) -> the mode that opened it, so a fault that names a connection
+# can be attributed; a few thousand entries in a long run
+OWNERS: dict[str, str] = {}
+
+
+@dataclass
+class Tally:
+    """What one mode did and what came back."""
+
+    mode: str
+    connections: int = 0
+    frames_sent: int = 0
+    send_refused: int = 0  # our side's queue was full: the daemon was not reading
+    accepted: int = 0
+    rejected: Counter = field(default_factory=Counter)  # "code/field" -> n
+    finished: Counter = field(default_factory=Counter)  # reason -> n
+    missing_finished: int = 0  # accepted, waited for, no Finished came
+    duplicate_finished: int = 0  # more than one Finished for one request
+    outcomes: Counter = field(default_factory=Counter)  # mode-specific observations
+
+    def report(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items()
+               if not isinstance(v, Counter) and k != "mode"}
+        out.update({k: dict(v) for k, v in self.__dict__.items() if isinstance(v, Counter)})
+        return out
+
+
+class RawClient:
+    """One hostile connection; `close()` drops it at once (no linger)."""
+
+    def __init__(self, listen: str, tally: Tally, *, rcvhwm: int = 64, sndhwm: int = 1000,
+                 rcvbuf: int = -1):
+        self.sock = Socket(zmq.DEALER)
+        self.identity = os.urandom(8)
+        OWNERS[self.identity.hex()] = tally.mode
+        self.sock.zmq.setsockopt(zmq.ROUTING_ID, self.identity)
+        self.sock.zmq.setsockopt(zmq.RCVHWM, rcvhwm)
+        self.sock.zmq.setsockopt(zmq.SNDHWM, sndhwm)
+        # a non-reader with a small kernel buffer fills the daemon's side sooner
+        self.sock.zmq.setsockopt(zmq.RCVBUF, rcvbuf)
+        self.sock.connect(listen)
+        self.tally = tally
+        tally.connections += 1
+
+    def send_frame(self, frame: bytes) -> bool:
+        """Queue one frame without waiting; False when our side's queue is full."""
+        try:
+            self.sock.zmq.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            self.tally.send_refused += 1
+            return False
+        self.tally.frames_sent += 1
+        return True
+
+    def send(self, msg: object) -> bool:
+        return self.send_frame(client_codec.encode(msg))
+
+    async def read(self, timeout: float) -> list:
+        """The messages of the next frame; [] when none came within `timeout`."""
+        with trio.move_on_after(timeout):
+            try:
+                return _server_codec.decode_batch(await self.sock.recv())
+            except CodecError as exc:
+                self.tally.outcomes[f"undecodable reply: {exc.message[:60]}"] += 1
+                return []
+        return []
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+_gate: trio.Event | None = None  # set while new hostile connections are held back
+
+
+async def connect(listen: str, tally: Tally, **options: int) -> RawClient:
+    """A new hostile connection, once no fault holds new connections back."""
+    while _gate is not None:
+        await _gate.wait()
+    return RawClient(listen, tally, **options)
+
+
+@contextmanager
+def connections_held():
+    """Hold new hostile connections back: the `vanish_stream` fault drops the newest
+    connection's stream, and it must be the fault's own decoy."""
+    global _gate
+    gate = _gate = trio.Event()
+    try:
+        yield
+    finally:
+        _gate = None
+        gate.set()
+
+
+def generate(rid: str, max_tokens: int, *, credits: int = 16, prompt: str = "") -> m.Generate:
+    return m.Generate(rid, prompt=f"{PROMPT_MARK} {prompt}",
+                      sampling=m.Sampling(max_tokens=max_tokens, temperature=0.0,
+                                          ignore_eos=True), credits=credits)
+
+
+async def read_until_ended(client: RawClient, rids: set[str], timeout: float,
+                           grace: float = 0.3) -> None:
+    """Read until every request in `rids` is refused or finished, then `grace` seconds more
+    to catch a second `Finished`; count what came in the client's tally. Heartbeats go out
+    meanwhile, as any client's must: a silent one is gone, and is sent nothing more."""
+    tally = client.tally
+    accepted: set[str] = set()
+    finishes: Counter = Counter()
+    open_rids = set(rids)
+
+    def take(batch: list) -> None:
+        for msg in batch:
+            rid = getattr(msg, "request_id", "")
+            if isinstance(msg, m.Accepted):
+                accepted.add(rid)
+            elif isinstance(msg, m.Rejected):
+                tally.rejected[f"{msg.code.name.lower()}/{msg.field}"] += 1
+                open_rids.discard(rid)
+            elif isinstance(msg, m.Finished):
+                finishes[rid] += 1
+                tally.finished[msg.reason.name.lower()] += 1
+                open_rids.discard(rid)
+
+    deadline = trio.current_time() + timeout
+    next_beat = trio.current_time()
+    while open_rids and trio.current_time() < deadline:
+        if trio.current_time() >= next_beat:
+            client.send(m.Heartbeat())
+            next_beat = trio.current_time() + HEARTBEAT_SECONDS
+        take(await client.read(min(HEARTBEAT_SECONDS, deadline - trio.current_time())))
+    deadline = trio.current_time() + grace
+    while trio.current_time() < deadline:
+        take(await client.read(max(0.0, deadline - trio.current_time())))
+    tally.accepted += len(accepted)
+    tally.missing_finished += sum(1 for rid in accepted if finishes[rid] == 0)
+    tally.duplicate_finished += sum(1 for n in finishes.values() if n > 1)
+    tally.outcomes["finished_without_accepted"] += sum(1 for r in finishes if r not in accepted)
+    tally.outcomes["no answer"] += sum(1 for r in open_rids if r not in accepted)
