@@ -20,7 +20,7 @@ from sluice.ipc.errors import SluiceError
 from soak_daemon import DaemonProcess, worker_pid
 from soak_wire import OWNERS, RawClient, Tally, connections_held, generate
 
-CHAOS_KINDS = ("kill_worker", "worker_down", "vanish_stream")
+CHAOS_KINDS = ("kill_worker", "worker_down", "vanish_stream", "crash_scheduler")
 
 
 async def _wait_worker_ready(control: str, old_pid: int, timeout: float) -> float | None:
@@ -91,6 +91,12 @@ async def inject(kind: str, daemon: DaemonProcess, recovery_timeout: float,
                 daemon.control, before.worker.pid, recovery_timeout)
         elif kind == "vanish_stream":
             event.update(await _vanish_a_decoy(daemon, decoy_tokens))
+        elif kind == "crash_scheduler":  # the actor restarts; its requests end with error
+            crashed = await send_command(daemon.control, m.InjectFault("crash_scheduler"),
+                                         timeout=10.0)
+            event["reply"] = crashed.message
+            event["ready_after_seconds"] = await _wait_worker_ready(daemon.control, -1,
+                                                                    recovery_timeout)
     except (SluiceError, OSError, trio.TooSlowError) as exc:
         event["error"] = f"{type(exc).__name__}: {exc}"
 
