@@ -40,6 +40,11 @@ from typing import Any
 
 from sluice.actors.executor.actor import WorkerSpec
 from sluice.actors.limits import Limits
+from sluice.actors.local_socket import (
+    UnsafeDirectory,
+    check_private_directory,
+    prepare_private_socket,
+)
 from sluice.actors.stream import StreamConfig
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7340"
@@ -51,11 +56,30 @@ class ConfigFileError(ValueError):
 
 
 def runtime_dir() -> Path:
-    """`$XDG_RUNTIME_DIR/sluice`, or a per-user directory under the temp dir."""
+    """`$XDG_RUNTIME_DIR/sluice`, or a per-user directory under the temp dir.
+
+    The directory holds the control and worker sockets, so it must be this user's and not
+    writable by group or others (`UnsafeDirectory` otherwise): under a shared temp dir anyone
+    could have made `sluice-<uid>` first. systemd's `RuntimeDirectory=` (mode 0750) passes.
+    """
     base = os.environ.get("XDG_RUNTIME_DIR")
     path = Path(base) / "sluice" if base else Path(tempfile.gettempdir()) / f"sluice-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UnsafeDirectory(f"runtime directory {path}: {exc.strerror}") from None
+    check_private_directory(path, "runtime directory")
     return path
+
+
+def check_runtime_paths(config: DaemonConfig) -> None:
+    """Refuse to start where the daemon's sockets could not be private, or another daemon
+    already answers on the control socket; a stale control socket is removed.
+
+    Raises `SocketPathError` with a message naming the path and what is wrong with it."""
+    if config.executor == "model" and config.worker.runtime_dir is None:
+        runtime_dir()  # the worker's socket lives there
+    prepare_private_socket(config.control_address)
 
 
 def default_control_address() -> str:

@@ -3,7 +3,8 @@
 `sluiced serve` runs until SIGTERM or SIGINT, which drain it: no new admissions, running
 requests get `drain_deadline` seconds to finish, then exit 0. SIGHUP re-reads the config's
 tenants and limits. An actor that exhausts its restart budget takes the daemon down with exit
-code 70 so systemd restarts it whole. Once it serves, `sluiced ready listen=ADDR control=ADDR
+code 70 so systemd restarts it whole. An unsafe runtime directory, or a control socket another
+daemon answers on, refuses the start with exit code 78. Once it serves, `sluiced ready listen=ADDR control=ADDR
 [metrics=PORT]` goes to stdout, then the command to chat; systemd hears READY=1 (`notify.py`).
 """
 
@@ -114,12 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     from sluice.actors.supervisor import Escalation
-    from sluice.daemon.config import ConfigFileError, load_config
+    from sluice.actors.local_socket import SocketPathError
+    from sluice.daemon.config import ConfigFileError, check_runtime_paths, load_config
 
     try:
         overrides = _overrides(args)
         config = load_config(args.config, overrides)
     except (ConfigFileError, TypeError, ValueError) as exc:
+        print(f"sluiced: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:  # before loading anything: a live daemon on the control socket keeps it
+        check_runtime_paths(config)
+    except SocketPathError as exc:
         print(f"sluiced: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     code = 0
