@@ -9,6 +9,7 @@ import socket
 import pytest
 import trio
 
+from daemon_support import assert_consistent
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import send_command
@@ -58,6 +59,8 @@ async def test_ready_watchdog_and_sigterm_drain_with_exit_zero(sluiced, tmp_path
             async for chunk in running:
                 texts.append(chunk.text)
                 if len(texts) == 5:
+                    # the KV invariant holds mid-request; the daemon exits once drained
+                    await assert_consistent(fields["control"])
                     process.send_signal(signal.SIGTERM)
                     await listener.wait_for("STOPPING=1")
                     try:
