@@ -79,11 +79,19 @@ def daemon_kv_checked(monkeypatch):
     run = Daemon.run
 
     async def recorded_run(self, *, task_status=trio.TASK_STATUS_IGNORED):
-        started = RECORD.start(StartedDaemon(self.config.control_address, "in-process"))
+        record: list[StartedDaemon] = []
+
+        class Serving:  # the daemon counts from the moment it serves (a failed start never did)
+            @staticmethod
+            def started(value=None) -> None:
+                record.append(RECORD.start(StartedDaemon(self.control_address, "in-process")))
+                task_status.started(value)
+
         try:
-            await run(self, task_status=task_status)
+            await run(self, task_status=Serving)
         finally:
-            started.stopped = True
+            for started in record:
+                started.stopped = True
 
     monkeypatch.setattr(Daemon, "run", recorded_run)
     yield
