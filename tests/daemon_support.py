@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import socket
 import subprocess
 import sys
 import time
@@ -160,3 +161,26 @@ def stop_checked(process: subprocess.Popen, control: str) -> None:
         if process.poll() is None:
             process.kill()
         process.wait()
+
+
+class NotifyListener:
+    """The systemd side of sd_notify: a bound unix datagram socket."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.setblocking(False)
+        self.seen: list[str] = []
+
+    def drain(self) -> list[str]:
+        while True:
+            try:
+                self.seen.extend(self.sock.recv(4096).decode().split("\n"))
+            except BlockingIOError:
+                return self.seen
+
+    async def wait_for(self, line: str, count: int = 1, timeout: float = 20.0) -> None:
+        with trio.fail_after(timeout):
+            while self.drain().count(line) < count:
+                await trio.sleep(0.02)

@@ -53,6 +53,8 @@ class WorkerSpec:
     backoff_max: float = 5.0
     # a test fault: the worker fails every step that computes this token id
     debug_fail_token: int | None = None
+    # a test fault: every worker after the first answers the health check with another token
+    debug_wrong_health_on_restart: bool = False
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,8 @@ class Executor(Actor):
             cmd += ["--threads", str(spec.threads)]
         if spec.debug_fail_token is not None:
             cmd += ["--debug-fail-token", str(spec.debug_fail_token)]
+        if spec.debug_wrong_health_on_restart and self.restarts > 0:
+            cmd += ["--debug-health-offset", "1"]
         return cmd
 
     async def _handshake(self) -> None:

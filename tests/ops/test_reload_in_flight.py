@@ -7,7 +7,7 @@ import signal
 
 import pytest
 import trio
-from test_systemd_protocol import NotifyListener
+from daemon_support import NotifyListener
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
