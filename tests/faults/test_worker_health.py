@@ -4,6 +4,9 @@ daemon does not serve on it, `/health` says 503, and no request or block is lost
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -67,3 +70,32 @@ async def test_a_worker_with_another_health_answer_is_refused(sluiced, drained_a
     await drained_and_consistent(control)
     process.kill()  # it would only keep refusing workers
     await trio.to_thread.run_sync(process.wait)
+
+
+async def test_no_ready_while_the_worker_fails_its_health_check(tmp_path) -> None:
+    """The health forward computes the health prompt, and the worker is told to fail every
+    step that computes one of its tokens: the daemon must never say READY."""
+    from sluice.actors.executor.worker import HEALTH_PROMPT
+
+    config = tmp_path / "sluiced.toml"
+    config.write_text(CONFIG.replace("debug_wrong_health_on_restart = true",
+                                     f"debug_fail_token = {HEALTH_PROMPT[1]}"))
+    log = tmp_path / "sluiced.log"
+    listener = NotifyListener(tmp_path / "notify.sock")
+    stdout = tmp_path / "stdout"
+    with open(log, "w") as stderr, open(stdout, "w") as out:
+        process = subprocess.Popen(  # files, not pipes: a worker child may outlive the kill
+            [sys.executable, "-m", "sluice.daemon.main", "serve", "--config", str(config),
+             "--listen", "tcp://127.0.0.1:0", "--control", f"ipc://{tmp_path}/control.sock"],
+            stdout=out, stderr=stderr, text=True,
+            env={**os.environ, "NOTIFY_SOCKET": listener.path})
+    try:
+        with trio.fail_after(240):
+            while log.read_text().count("health check failed") < 2 and process.poll() is None:
+                await trio.sleep(0.2)
+        assert log.read_text().count("health check failed") >= 2
+        assert "READY=1" not in listener.drain()
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    assert "sluiced ready" not in stdout.read_text()
