@@ -39,6 +39,7 @@ from sluice.ipc.control import fetch_status
 MODEL_DAEMON_CONFIG = """
 [daemon]
 drain_deadline = 20.0
+debug_faults = true
 
 [stream]
 heartbeat_interval = 0.5
@@ -60,6 +61,7 @@ class DaemonHandle:
     control: str
     process: subprocess.Popen | None = None
     daemon: object | None = None  # the in-process Daemon
+    log: Path | None = None  # a process daemon's stderr (JSON lines)
 
     async def status(self) -> m.StatusReport:
         return await fetch_status(self.control, check_invariants=True)
@@ -178,7 +180,7 @@ def model_daemon_process():
         log=folder / "sluiced.log",
     )
     keep_for_scope(process)  # each `model_daemon` test checks it; see below
-    yield DaemonHandle(listen, control, process)
+    yield DaemonHandle(listen, control, process, log=folder / "sluiced.log")
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(timeout=60)
