@@ -55,6 +55,8 @@ class WorkerSpec:
     debug_fail_token: int | None = None
     # a test fault: every worker after the first answers the health check with another token
     debug_wrong_health_on_restart: bool = False
+    # a test fault: the worker hangs in every step that computes this token id
+    debug_hang_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,8 @@ class Executor(Actor):
             cmd += ["--threads", str(spec.threads)]
         if spec.debug_fail_token is not None:
             cmd += ["--debug-fail-token", str(spec.debug_fail_token)]
+        if spec.debug_hang_token is not None:
+            cmd += ["--debug-hang-token", str(spec.debug_hang_token)]
         if spec.debug_wrong_health_on_restart and self.restarts > 0:
             cmd += ["--debug-health-offset", "1"]
         return cmd

@@ -65,6 +65,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--debug-fail-token", type=int, default=None,
                         help="a test fault: fail every step that computes this token id")
+    parser.add_argument("--debug-hang-token", type=int, default=None,
+                        help="a test fault: hang in every step that computes this token id")
     parser.add_argument("--debug-health-offset", type=int, default=0,
                         help="a test fault: answer the health check off by this much")
     return parser.parse_args(argv)
@@ -107,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
                 poison = args.debug_fail_token
                 if poison is not None and any(poison in s.token_ids for s in plan.seqs):
                     raise RuntimeError(f"test fault: a step computes token {poison}")
+                hang = args.debug_hang_token
+                if hang is not None and any(hang in s.token_ids for s in plan.seqs):
+                    while True:  # until the executor's step_timeout kills this process
+                        time.sleep(60)
                 reply = encode_result(runner.execute(plan))
             elif op == "health":
                 started = time.perf_counter()
