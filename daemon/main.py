@@ -4,8 +4,8 @@
 requests get `drain_deadline` seconds to finish, then exit 0. SIGHUP re-reads the config's
 tenants and limits. An actor that exhausts its restart budget takes the daemon down with exit
 code 70 so systemd restarts it whole. An unsafe runtime directory, or a control socket another
-daemon answers on, refuses the start with exit code 78. Once it serves, `sluiced ready listen=ADDR control=ADDR
-[metrics=PORT]` goes to stdout, then the command to chat; systemd hears READY=1 (`notify.py`).
+daemon answers on, refuses the start with exit code 78. Once it serves, `sluiced ready
+listen=ADDR control=ADDR [metrics=PORT]` goes to stdout, then the command to chat; systemd hears READY=1 (`notify.py`).
 """
 
 from __future__ import annotations

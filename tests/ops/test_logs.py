@@ -18,8 +18,8 @@ pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the s
 MARKER = "qzv-PRIVATE-7731"
 
 
-async def test_a_marked_load_leaves_no_trace_of_its_text_in_the_logs(sluiced, tmp_path,
-                                                                     drained_and_consistent) -> None:
+async def test_a_marked_load_leaves_no_trace_of_its_text_in_the_logs(
+        sluiced, tmp_path, drained_and_consistent) -> None:
     log = tmp_path / "sluiced.log"
     process, fields = sluiced(["--executor", "null", "--listen", "tcp://127.0.0.1:0",
                                "--control", f"ipc://{tmp_path}/control.sock",
