@@ -14,7 +14,6 @@ daemon provides. Fault injection exists only when the daemon was configured for 
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
@@ -23,6 +22,7 @@ import trio
 import zmq
 
 from sluice.actors.base import Actor, Handler, Inbox, Outbox
+from sluice.actors.local_socket import bind_private
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
 from sluice.ipc.sockets import PeerGone, Socket
@@ -105,14 +105,8 @@ class Control(Actor):
 
     def reset(self) -> None:
         self.socket = Socket(zmq.ROUTER)
-        target = self.address or self.listen
-        if target.startswith("ipc://"):
-            path = target[len("ipc://"):]
-            if os.path.exists(path):
-                os.unlink(path)  # a stale socket of an earlier run
-        self.address = self.socket.bind(target)
-        if target.startswith("ipc://"):
-            os.chmod(target[len("ipc://"):], 0o600)
+        # checked directory, a live daemon's socket never taken over, born 0600 (no chmod)
+        self.address = bind_private(self.socket, self.address or self.listen)
 
     def teardown(self) -> None:
         self.socket.close()

@@ -40,6 +40,11 @@ from typing import Any
 
 from sluice.actors.executor.actor import WorkerSpec
 from sluice.actors.limits import Limits
+from sluice.actors.local_socket import (
+    UnsafeDirectory,
+    check_private_directory,
+    prepare_private_socket,
+)
 from sluice.actors.stream import StreamConfig
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7340"
@@ -51,11 +56,30 @@ class ConfigFileError(ValueError):
 
 
 def runtime_dir() -> Path:
-    """`$XDG_RUNTIME_DIR/sluice`, or a per-user directory under the temp dir."""
+    """`$XDG_RUNTIME_DIR/sluice`, or a per-user directory under the temp dir.
+
+    The directory holds the control and worker sockets, so it must be this user's and not
+    writable by group or others (`UnsafeDirectory` otherwise): under a shared temp dir anyone
+    could have made `sluice-<uid>` first. systemd's `RuntimeDirectory=` (mode 0750) passes.
+    """
     base = os.environ.get("XDG_RUNTIME_DIR")
     path = Path(base) / "sluice" if base else Path(tempfile.gettempdir()) / f"sluice-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UnsafeDirectory(f"runtime directory {path}: {exc.strerror}") from None
+    check_private_directory(path, "runtime directory")
     return path
+
+
+def check_runtime_paths(config: DaemonConfig) -> None:
+    """Refuse to start where the daemon's sockets could not be private, or another daemon
+    already answers on the control socket; a stale control socket is removed.
+
+    Raises `SocketPathError` with a message naming the path and what is wrong with it."""
+    if config.executor == "model" and config.worker.runtime_dir is None:
+        runtime_dir()  # the worker's socket lives there
+    prepare_private_socket(config.control_address)
 
 
 def default_control_address() -> str:
@@ -81,10 +105,15 @@ class AuthSettings:
     chat = ["<client public key, Z85>", ...]
     ```
     With a server key set, only listed client keys connect, and a request is attributed to
-    the tenant of its key whatever tenant it names."""
+    the tenant of its key whatever tenant it names.
+
+    `server_secret_key_file` names a file holding the key instead, read at start (and on
+    reload); a relative name is a systemd credential, looked up in `$CREDENTIALS_DIRECTORY`
+    (the shipped unit's `LoadCredential=`), so the key need not sit in the config file."""
 
     server_secret_key: str | None = None
     tenants: dict[str, Any] = field(default_factory=dict)  # tenant -> [public keys, Z85]
+    server_secret_key_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +140,39 @@ class DaemonConfig:
 
 _SECTIONS = {"stream": StreamConfig, "worker": WorkerSpec, "null": NullSettings,
              "auth": AuthSettings, "limits": Limits}
+
+
+Z85_KEY_LENGTH = 40  # a 32-byte CURVE key in Z85
+
+
+def read_secret_key(auth: AuthSettings) -> AuthSettings:
+    """Fill `server_secret_key` from `server_secret_key_file`; errors name the file, never
+    the key."""
+    name = auth.server_secret_key_file
+    if name is None:
+        return auth
+    if auth.server_secret_key is not None:
+        raise ConfigFileError("auth: set server_secret_key or server_secret_key_file, not both")
+    path = Path(name)
+    if not path.is_absolute():
+        credentials = os.environ.get("CREDENTIALS_DIRECTORY")
+        if not credentials:
+            raise ConfigFileError(f"auth.server_secret_key_file: {name!r} is relative, which "
+                                  "names a systemd credential, but $CREDENTIALS_DIRECTORY is "
+                                  "not set (LoadCredential= in the unit)")
+        path = Path(credentials) / path
+    try:
+        info = os.stat(path)
+        key = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigFileError(f"auth.server_secret_key_file: {path}: {exc}") from None
+    if info.st_mode & 0o007:
+        raise ConfigFileError(f"auth.server_secret_key_file: {path} is readable by others; "
+                              "make it 0600 or 0640")
+    if len(key) != Z85_KEY_LENGTH:
+        raise ConfigFileError(f"auth.server_secret_key_file: {path} does not hold a Z85 CURVE "
+                              f"secret key ({Z85_KEY_LENGTH} characters)")
+    return dataclasses.replace(auth, server_secret_key=key)
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> DaemonConfig:
@@ -146,6 +208,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             values[section] = dataclasses.replace(values[section], **{name: value})
         else:
             values[name] = value
+    values["auth"] = read_secret_key(values["auth"])
     if values.get("model") == "default":
         values["model"] = None
     if values.get("executor", "model") not in ("model", "null"):

@@ -10,9 +10,11 @@ tenants and limits. Exit codes, for systemd's `Restart=` and `StartLimit*` to de
   max_failed_starts` tries (bad weights, no device, out of memory); a restart may succeed
   later, and `StartLimitBurst=` bounds how often systemd tries. (At run time the same
   failure does not exit: the daemon stays up with its worker `failed`, see the README.)
-- 78 (`EXIT_CONFIG`): the configuration is invalid; restarting cannot fix it.
- Once it serves, `sluiced ready listen=ADDR control=ADDR
-[metrics=PORT]` goes to stdout, then the command to chat; systemd hears READY=1 (`notify.py`).
+- 78 (`EXIT_CONFIG`): the configuration is invalid, the runtime directory is unsafe, or
+  another daemon answers on the control socket; restarting cannot fix it.
+
+Once it serves, `sluiced ready listen=ADDR control=ADDR [metrics=PORT]` goes to stdout, then
+the command to chat; systemd hears READY=1 (`notify.py`).
 """
 
 from __future__ import annotations
@@ -123,13 +125,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     from sluice.actors.supervisor import Escalation
-    from sluice.daemon.config import ConfigFileError, load_config
+    from sluice.actors.local_socket import SocketPathError
+    from sluice.daemon.config import ConfigFileError, check_runtime_paths, load_config
     from sluice.daemon.server import WorkerStartFailed
 
     try:
         overrides = _overrides(args)
         config = load_config(args.config, overrides)
     except (ConfigFileError, TypeError, ValueError) as exc:
+        print(f"sluiced: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:  # before loading anything: a live daemon on the control socket keeps it
+        check_runtime_paths(config)
+    except SocketPathError as exc:
         print(f"sluiced: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     code = 0

@@ -1,5 +1,6 @@
-"""Fixtures shared by every test folder: the embedded model loaded once per session, and an
-engine factory that checks the KV invariant after each test that used it."""
+"""Fixtures shared by every test folder: the embedded model loaded once per session, an
+engine factory that checks the KV invariant after each test that used it, and (from the
+`daemon_fixtures` plugin) every daemon fixture, so no folder loads another's conftest."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 
 import pytest
 import torch
+
+pytest_plugins = ["daemon_fixtures"]
 
 if not torch.cuda.is_available():
     # without a GPU Triton kernels only run in its interpreter, which must be chosen before

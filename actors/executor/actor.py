@@ -70,6 +70,10 @@ class WorkerSpec:
     debug_fail_token: int | None = None
     # a test fault: a worker exits before it says hello while this file exists
     debug_fail_start_if: str | None = None
+    # a test fault: every worker after the first answers the health check with another token
+    debug_wrong_health_on_restart: bool = False
+    # a test fault: the worker hangs in every step that computes this token id
+    debug_hang_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,10 @@ class Executor(Actor):
             cmd += ["--debug-fail-token", str(spec.debug_fail_token)]
         if spec.debug_fail_start_if is not None:
             cmd += ["--debug-fail-start-if", spec.debug_fail_start_if]
+        if spec.debug_hang_token is not None:
+            cmd += ["--debug-hang-token", str(spec.debug_hang_token)]
+        if spec.debug_wrong_health_on_restart and self.restarts > 0:
+            cmd += ["--debug-health-offset", "1"]
         return cmd
 
     async def _handshake_unless_exited(self) -> None:

@@ -67,6 +67,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="a test fault: fail every step that computes this token id")
     parser.add_argument("--debug-fail-start-if", default=None, metavar="PATH",
                         help="a test fault: exit before saying hello while PATH exists")
+    parser.add_argument("--debug-hang-token", type=int, default=None,
+                        help="a test fault: hang in every step that computes this token id")
+    parser.add_argument("--debug-health-offset", type=int, default=0,
+                        help="a test fault: answer the health check off by this much")
     return parser.parse_args(argv)
 
 
@@ -110,14 +114,21 @@ def main(argv: list[str] | None = None) -> int:
                 poison = args.debug_fail_token
                 if poison is not None and any(poison in s.token_ids for s in plan.seqs):
                     raise RuntimeError(f"test fault: a step computes token {poison}")
+                hang = args.debug_hang_token
+                if hang is not None and any(hang in s.token_ids for s in plan.seqs):
+                    while True:  # until the executor's step_timeout kills this process
+                        time.sleep(60)
                 reply = encode_result(runner.execute(plan))
             elif op == "health":
                 started = time.perf_counter()
                 runner.reset_kv()
-                result = runner.execute(health_plan(runner.config.vocab_size))
+                plan = health_plan(runner.config.vocab_size)
+                if args.debug_fail_token in plan.seqs[0].token_ids:  # the poison fails it too
+                    raise RuntimeError(f"test fault: a step computes token {args.debug_fail_token}")
+                result = runner.execute(plan)
                 runner.reset_kv()
-                reply = msgpack.packb({"op": "health",
-                                       "token": result.sampled[HEALTH_REQUEST].token_id,
+                token = result.sampled[HEALTH_REQUEST].token_id + args.debug_health_offset
+                reply = msgpack.packb({"op": "health", "token": token % runner.config.vocab_size,
                                        "seconds": time.perf_counter() - started})
             else:
                 reply = msgpack.packb({"op": "error", "message": f"unknown op {op!r}"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+from daemon_support import assert_drained_and_consistent
 
 from sluice.actors.supervisor import Escalation
 from sluice.daemon.config import load_config
@@ -34,9 +35,14 @@ async def test_restart_budget_exhausted_escalates_out_of_the_daemon(tmp_path) ->
                 await nursery.start(daemon.run)
                 daemon.tokenizer.tokenizer = AlwaysFailingTokenizer(daemon.tokenizer.tokenizer)
                 async with AsyncClient(daemon.listen_address) as client:
-                    for _ in range(budget + 1):
+                    for _ in range(budget):
                         generation = await client.generate("boom", max_tokens=2)
                         reasons.append((await generation.collect()).finish_reason)
+                    # every crash so far released what its request held; the next one ends
+                    # the daemon, so its KV is checked now
+                    await assert_drained_and_consistent(daemon.control_address)
+                    generation = await client.generate("boom", max_tokens=2)
+                    reasons.append((await generation.collect()).finish_reason)
                 await trio.sleep_forever()  # the escalation ends this
     # each crash within the budget ended its request with an error; the crash past the
     # budget stops the daemon before anything more is sent

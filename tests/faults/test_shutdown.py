@@ -1,4 +1,5 @@
-"""SIGTERM drains: no new admissions, running requests finish, exit code 0."""
+"""SIGTERM drains: no new admissions, running requests finish, exit code 0; a killed daemon
+is noticed by its clients."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import signal
 
 import pytest
 import trio
+from daemon_support import assert_consistent
 
 from sluice.ipc.client import AsyncClient
+from sluice.ipc.control import fetch_status
 from sluice.ipc.errors import DaemonGone, DrainingError
 
 
@@ -24,7 +27,10 @@ async def test_sigterm_drains_running_requests_and_exits_zero(tmp_path, daemon_p
             async for _ in running:
                 break  # it is running (soon paused by our slowness) when SIGTERM comes
             process.send_signal(signal.SIGTERM)
-            await trio.sleep(0.5)
+            while (await fetch_status(control)).state != "draining":
+                await trio.sleep(0.02)
+            # mid-drain, with the request still running: the daemon exits once it ends
+            await assert_consistent(control)
             with pytest.raises(DrainingError):
                 await client.generate("too late", max_tokens=2)
             async for _ in running:
@@ -36,7 +42,7 @@ async def test_sigterm_drains_running_requests_and_exits_zero(tmp_path, daemon_p
 
 
 async def test_client_learns_that_a_killed_daemon_is_gone(tmp_path, daemon_process) -> None:
-    process, listen, _ = daemon_process(
+    process, listen, control = daemon_process(
         ["--executor", "null", "--listen", "tcp://127.0.0.1:0",
          "--control", f"ipc://{tmp_path}/control.sock", "--pause-timeout", "60"],
     )
@@ -46,6 +52,7 @@ async def test_client_learns_that_a_killed_daemon_is_gone(tmp_path, daemon_proce
             generation = await client.generate("hi", max_tokens=1000)
             async for _ in generation:
                 break
+            await assert_consistent(control)  # the last look at its KV before it dies
             process.send_signal(signal.SIGKILL)
             with pytest.raises(DaemonGone):
                 async for _ in generation:

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the s
 MARKER = "qzv-PRIVATE-7731"
 
 
-async def test_a_marked_load_leaves_no_trace_of_its_text_in_the_logs(sluiced, tmp_path) -> None:
+async def test_a_marked_load_leaves_no_trace_of_its_text_in_the_logs(
+        sluiced, tmp_path, drained_and_consistent) -> None:
     log = tmp_path / "sluiced.log"
     config = tmp_path / "sluiced.toml"
     config.write_text("[limits]\nopen_tenants = true\n")  # the client names its own tenant
@@ -34,6 +35,7 @@ async def test_a_marked_load_leaves_no_trace_of_its_text_in_the_logs(sluiced, tm
             await (await client.generate("plain", max_tokens=30, stop=[MARKER, "lazy"])).collect()
             cancelled = await client.generate(MARKER * 3, max_tokens=3000)
             await cancelled.cancel()
+    await drained_and_consistent(fields["control"])
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=30)
     lines = log.read_text().splitlines()

@@ -4,40 +4,17 @@
 from __future__ import annotations
 
 import signal
-import socket
 
 import pytest
 import trio
 
+from daemon_support import NotifyListener, assert_consistent
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import send_command
 from sluice.ipc.errors import SluiceError
 
 pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
-
-
-class NotifyListener:
-    """The systemd side of sd_notify: a bound unix datagram socket."""
-
-    def __init__(self, path):
-        self.path = str(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.sock.setblocking(False)
-        self.seen: list[str] = []
-
-    def drain(self) -> list[str]:
-        while True:
-            try:
-                self.seen.extend(self.sock.recv(4096).decode().split("\n"))
-            except BlockingIOError:
-                return self.seen
-
-    async def wait_for(self, line: str, count: int = 1, timeout: float = 20.0) -> None:
-        with trio.fail_after(timeout):
-            while self.drain().count(line) < count:
-                await trio.sleep(0.02)
 
 
 async def test_ready_watchdog_and_sigterm_drain_with_exit_zero(sluiced, tmp_path) -> None:
@@ -58,6 +35,8 @@ async def test_ready_watchdog_and_sigterm_drain_with_exit_zero(sluiced, tmp_path
             async for chunk in running:
                 texts.append(chunk.text)
                 if len(texts) == 5:
+                    # the KV invariant holds mid-request; the daemon exits once drained
+                    await assert_consistent(fields["control"])
                     process.send_signal(signal.SIGTERM)
                     await listener.wait_for("STOPPING=1")
                     try:

@@ -4,6 +4,7 @@ settings operators rely on, and the example config is one the daemon accepts."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -93,3 +94,92 @@ def test_sysusers_creates_the_unit_user() -> None:
     entries = [line.split() for line in (SYSTEMD / "sluiced.sysusers").read_text().splitlines()
                if line and not line.startswith("#")]
     assert ["u", "sluice"] in [entry[:2] for entry in entries]
+
+
+def test_unit_scores_at_most_2_in_systemd_analyze_security(tmp_path) -> None:
+    analyze = systemd_analyze()
+    usage = subprocess.run([analyze, "security", "--help"], capture_output=True, text=True,
+                           timeout=60)
+    if "--offline" not in usage.stdout:
+        pytest.skip("this systemd-analyze cannot score a unit file offline (--offline needs "
+                    "systemd 250 or later)")
+    unit = tmp_path / "sluiced.service"
+    unit.write_text((SYSTEMD / "sluiced.service").read_text())
+    done = subprocess.run([analyze, "security", "--offline=true", "--no-pager", str(unit)],
+                          capture_output=True, text=True, timeout=120)
+    found = re.search(r"Overall exposure level for sluiced\.service: ([0-9.]+)", done.stdout)
+    assert found, done.stdout + done.stderr
+    assert float(found.group(1)) <= 2.0, done.stdout
+
+
+def test_unit_sandbox_settings_that_torch_and_triton_allow() -> None:
+    sections = unit_settings(SYSTEMD / "sluiced.service")
+    service = sections["Service"]
+    assert service["SystemCallFilter"] == ["@system-service", "~@privileged"]
+    assert service["SystemCallErrorNumber"] == ["EPERM"]
+    assert service["DevicePolicy"] == ["closed"]
+    assert {"char-nvidia-frontend rw", "char-nvidia-uvm rw"} <= set(service["DeviceAllow"])
+    assert service["ProtectProc"] == ["invisible"]
+    assert service["RemoveIPC"] == ["yes"] and service["PrivateMounts"] == ["yes"]
+    for bound in ("MemoryHigh", "MemoryMax", "TasksMax"):
+        assert service[bound], bound
+    # Triton and torch JIT-compile into writable+executable memory
+    assert service.get("MemoryDenyWriteExecute", ["no"]) == ["no"]
+    assert int(sections["Unit"]["StartLimitBurst"][0]) > 0
+    assert int(sections["Unit"]["StartLimitIntervalSec"][0]) > 0
+    assert "78" in service["RestartPreventExitStatus"][0].split()
+    assert service["LoadCredential"] == ["sluice:/etc/sluice/credentials"]
+
+
+def test_runtime_directory_mode_of_the_unit_passes_the_daemons_check(tmp_path,
+                                                                     monkeypatch) -> None:
+    from sluice.daemon.config import runtime_dir
+
+    service = unit_settings(SYSTEMD / "sluiced.service")["Service"]
+    mode = int(service["RuntimeDirectoryMode"][0], 8)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / service["RuntimeDirectory"][0]).mkdir()
+    os.chmod(tmp_path / service["RuntimeDirectory"][0], mode)
+    assert runtime_dir() == tmp_path / "sluice"
+
+
+def systemd_can_run_units() -> str | None:
+    """Why a unit cannot be started here, or None when it can."""
+    if not Path("/run/systemd/system").is_dir():
+        return "systemd is not PID 1 on this machine, so no unit can be started"
+    if os.geteuid() != 0:
+        return "starting a system unit needs root"
+    if not shutil.which("systemd-run"):
+        return "systemd-run is missing"
+    return None
+
+
+def test_sluiced_reaches_ready_under_the_units_sandbox(tmp_path) -> None:
+    """The shipped [Service] sandboxing, with the null executor, as a transient unit."""
+    reason = systemd_can_run_units()
+    if reason:
+        pytest.skip(reason)
+    sluiced = Path(sys.executable).with_name("sluiced")
+    service = unit_settings(SYSTEMD / "sluiced.service")["Service"]
+    skipped = {"ExecStart", "ExecReload", "User", "Group", "LoadCredential", "Environment",
+               "StateDirectory", "CacheDirectory", "ProtectHome"}  # the venv may be in /root
+    properties = [f"--property={key}={value}" for key, values in service.items()
+                  if key not in skipped for value in values]
+    name = f"sluiced-test-{os.getpid()}"
+    control = f"ipc:///run/{service['RuntimeDirectory'][0]}/control.sock"
+    start = subprocess.run(
+        ["systemd-run", f"--unit={name}", *properties,
+         "--property=Environment=XDG_RUNTIME_DIR=/run", str(sluiced), "serve",
+         "--executor", "null", "--listen", "tcp://127.0.0.1:0", "--control", control],
+        capture_output=True, text=True, timeout=120)
+    try:
+        assert start.returncode == 0, start.stderr  # Type=notify: returns once READY=1 came
+        state = subprocess.run(["systemctl", "show", "-p", "ActiveState", "--value", name],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        assert state == "active"
+        from sluice.ipc.control import fetch_status_sync
+
+        report = fetch_status_sync(control, check_invariants=True)
+        assert report.invariant_errors == () and report.kv.used_blocks == 0
+    finally:
+        subprocess.run(["systemctl", "stop", name], capture_output=True, timeout=120)

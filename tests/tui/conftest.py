@@ -8,17 +8,16 @@ import signal
 
 import pytest
 from console_helpers import start_console_daemon
+from daemon_support import assert_drained_and_consistent_sync, keep_for_scope
 
 
 @pytest.fixture(scope="module")
 def console_daemon(tmp_path_factory):
     """(listen, control) of a null daemon; it must end consistent with nothing in use."""
-    from sluice.ipc.control import fetch_status_sync
-
     folder = tmp_path_factory.mktemp("console")
     process, listen, control = start_console_daemon(folder, extra="[scheduler.tenants.alpha]\n")
+    keep_for_scope(process)  # checked here, once every test of the module used it
     yield listen, control
-    report = fetch_status_sync(control, check_invariants=True)
+    assert_drained_and_consistent_sync(control)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
-    assert report.invariant_errors == () and report.kv.used_blocks == 0

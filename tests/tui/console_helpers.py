@@ -4,18 +4,9 @@ test body on asyncio, and wait for the console to reach a state."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 from pathlib import Path
 
-_NAME = "sluice_e2e_fixtures"
-if _NAME not in sys.modules:
-    _spec = importlib.util.spec_from_file_location(
-        _NAME, Path(__file__).parent.parent / "e2e" / "conftest.py")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules[_NAME] = _module
-    _spec.loader.exec_module(_module)
-start_daemon_process = sys.modules[_NAME].start_daemon_process  # noqa: F401 (re-exported)
+from daemon_support import start_daemon_process  # noqa: F401 (re-exported)
 
 
 def start_console_daemon(folder: Path, name: str = "daemon", extra: str = ""):

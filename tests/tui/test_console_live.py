@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from console_helpers import drive, start_console_daemon, wait_until
+from daemon_support import assert_drained_and_consistent_sync
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import Client
@@ -132,6 +133,7 @@ def test_console_shows_disconnected_and_reconnects_when_the_daemon_starts(tmp_pa
             started.append(process)
             await wait_until(pilot, lambda: app.connected, timeout=15)
             assert _panel_text(app, "#status").startswith(" SERVING ")
+            await asyncio.to_thread(assert_drained_and_consistent_sync, control)
             process.kill()
             process.wait()
             await wait_until(pilot, lambda: not app.connected, timeout=10)

@@ -7,6 +7,7 @@ import signal
 
 import pytest
 from console_helpers import drive, start_daemon_process, wait_until
+from daemon_support import assert_drained_and_consistent_sync
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import Client
@@ -55,8 +56,7 @@ def test_console_recovers_a_stopped_model_worker_and_serving_resumes(tmp_path) -
             result = client.generate("The capital of France is", max_tokens=4,
                                      temperature=0).collect()
         assert result.finish_reason == "length" and len(result.token_ids) == 4
-        final = fetch_status_sync(control, check_invariants=True)
-        assert final.invariant_errors == () and final.kv.used_blocks == 0
+        assert_drained_and_consistent_sync(control)
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0

@@ -1,6 +1,7 @@
 """Pins the look of the main screen: a fixed snapshot rendered at a fixed size must give the
 SVG stored beside this file. After an intended change of the look, regenerate it with
-`SLUICE_UPDATE_SNAPSHOTS=1` and review the new SVG."""
+`SLUICE_UPDATE_SNAPSHOTS=1` (that run fails on purpose), review the new SVG, rerun. A missing
+SVG fails: the test never passes by comparing a screen with itself."""
 
 from __future__ import annotations
 
@@ -61,7 +62,11 @@ def test_main_screen_looks_as_pinned() -> None:
 
     svg = drive(body)
     if os.environ.get("SLUICE_UPDATE_SNAPSHOTS") == "1":
+        # writing the pin never passes: what was just written compares equal to itself
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(svg)
-    assert GOLDEN.exists(), "no pinned screen: run once with SLUICE_UPDATE_SNAPSHOTS=1"
+        pytest.fail(f"rewrote {GOLDEN.name}; review it, then rerun without "
+                    "SLUICE_UPDATE_SNAPSHOTS", pytrace=False)
+    assert GOLDEN.exists(), (f"the pinned screen {GOLDEN.name} is missing; generate it with "
+                             "SLUICE_UPDATE_SNAPSHOTS=1, review it and commit it")
     assert svg == GOLDEN.read_text(), f"the main screen changed; compare with {GOLDEN.name}"

@@ -118,3 +118,49 @@ def test_absurd_sampling_values_name_the_parameter() -> None:
             assert exc.field == name
         else:
             raise AssertionError(f"{name}={value} was accepted")
+
+
+valid_sampling = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_tokens": st.integers(1, 2**31), "temperature": st.floats(0, 100),
+        "top_p": st.floats(0, 1, exclude_min=True), "top_k": st.integers(0, VOCAB),
+        "min_p": st.floats(0, 1), "seed": st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+        "ignore_eos": st.booleans(),
+        "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
+        "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
+        "repetition_penalty": st.floats(0, 10, exclude_min=True),
+        "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    },
+)
+valid_prompts = st.one_of(
+    st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=20)}),
+    st.fixed_dictionaries({"prompt_ids": st.lists(st.integers(0, VOCAB - 1), min_size=1,
+                                                  max_size=5)}),
+    st.fixed_dictionaries({"messages": st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                               "content": st.text(max_size=5)}), min_size=1, max_size=2)}),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(prompt=valid_prompts, sampling=valid_sampling,
+       request_id=st.text(min_size=1, max_size=5))
+def test_every_valid_generate_is_accepted_with_its_values(prompt: dict, sampling: dict,
+                                                          request_id: str) -> None:
+    """A validator that refused everything would pass the test above; this one would not."""
+    body = {"request_id": request_id, **prompt, "sampling": sampling}
+    frame = msgpack.packb([m.PROTOCOL_MAJOR, 0, m.Generate.TAG, body], use_bin_type=True)
+    params = validate(frame)
+    for name, value in sampling.items():
+        carried = getattr(params, name)
+        assert (list(carried) if isinstance(carried, tuple) else carried) == value, name
+
+
+def test_boundary_values_are_accepted() -> None:
+    for name, value in [("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                        ("min_p", 1.0), ("max_tokens", 1), ("seed", 0),
+                        ("presence_penalty", -2.0), ("frequency_penalty", 2.0)]:
+        raw = msgpack.unpackb(codec.encode(m.Generate("r", prompt="hi")))
+        raw[3]["sampling"] = {name: value}
+        assert getattr(validate(msgpack.packb(raw)), name) == value, name

@@ -56,6 +56,23 @@ def test_bad_sampling_values_are_rejected_by_name(make_engine, field_name, value
     assert_still_serves(engine)
 
 
+def test_the_valid_edge_of_each_checked_value_is_accepted(make_engine):
+    """Each check above refuses only past its edge: the edge itself generates."""
+    engine = make_engine()
+    vocab = engine.runner.config.vocab_size
+    for prompt in ({"prompt": "x"}, {"prompt_token_ids": [0, vocab - 1]},
+                   {"messages": [{"role": "user", "content": "hi"}]}):
+        request_id = engine.add_request(sampling=SamplingParams(max_tokens=1), **prompt)
+        assert request_id is not None, prompt
+    for field_name, value in [("max_tokens", 1), ("temperature", 0.0), ("top_p", 1.0),
+                              ("top_p", 1e-6), ("top_k", 0)]:
+        params = SamplingParams.from_dict({"max_tokens": 2, field_name: value})
+        engine.add_request("Hello", sampling=params)
+    while engine.has_unfinished():
+        engine.step()
+    assert_still_serves(engine)
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sluice.daemon.cli", "generate", "--offline",
                            *args], capture_output=True, text=True, timeout=300)
