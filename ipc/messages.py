@@ -197,6 +197,8 @@ class WorkerStatus:
     state: str  # starting | ready | restarting | failed
     restarts: int = 0
     pid: int = 0  # the worker process, 0 when there is none (null executor)
+    dtype: str = ""  # the weights' dtype the worker runs ("" for the null executor)
+    kv_dtype: str = ""  # the KV pool's dtype
 
 
 @dataclass(frozen=True)
@@ -401,6 +403,8 @@ class WorkerReady:
 
     restarts: int
     pid: int = 0
+    dtype: str = ""  # what the worker resolved --dtype to (and --kv-dtype below)
+    kv_dtype: str = ""
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,9 @@ class StatusBar(Static):
             worker_style = "green" if worker.state == "ready" else "bold red"
             text.append("  worker ")
             text.append(worker.state, style=worker_style)
+            if worker.dtype:  # the model worker's precision; the null executor has none
+                kv = "" if worker.kv_dtype == worker.dtype else f", kv {worker.kv_dtype}"
+                text.append(f" {worker.dtype}{kv}")
             text.append(f" (restarts {worker.restarts})  connections {status.connections}"
                         f"  {self.address}")
         self.plain = text.plain

@@ -69,6 +69,7 @@ class SchedulerActor(OperatorCommands, Actor):
         self.worker_state = "ready" if worker_ready else "starting"
         self.worker_restarts = 0
         self.worker_pid = 0
+        self.worker_dtypes = ("", "")  # (weights, KV), from the worker's WorkerReady
         self.draining = False
         self.latency = LatencyLog()
         self.askers = Outboxes()  # whoever sent Ask or Operate (the control actor)
@@ -223,6 +224,7 @@ class SchedulerActor(OperatorCommands, Actor):
         self.worker_state = "ready"
         self.worker_restarts = msg.restarts
         self.worker_pid = msg.pid
+        self.worker_dtypes = (msg.dtype, msg.kv_dtype)
         self._maybe_step()
 
     def _after_step(self) -> None:
@@ -293,7 +295,8 @@ class SchedulerActor(OperatorCommands, Actor):
         state = "draining" if self.draining else "serving"
         return m.StatusReport(
             state=state,
-            worker=m.WorkerStatus(self.worker_state, self.worker_restarts, self.worker_pid),
+            worker=m.WorkerStatus(self.worker_state, self.worker_restarts, self.worker_pid,
+                                  *self.worker_dtypes),
             kv=m.KVStatus(bm.num_total_blocks, bm.num_free_blocks, bm.num_used_blocks,
                           bm.num_cached_blocks),
             requests=m.RequestCounts(waiting, len(core.running), len(core.paused)),
