@@ -4,6 +4,10 @@ flattened batch of tokens and a paged KV pool.
 There is one forward for everything: prefill chunks and decode tokens of many sequences are
 concatenated; attention reads each sequence's context through its block table. Weight
 loading lives in `loader.py`, batching in `runner.py`; attention in `sluice.kernels`.
+
+Weights run in the model dtype (the KV pool may have its own); the residual add and RMSNorm
+are one function and rotary covers q and k in one pass, both computed in float32 with the
+reference implementation's expressions, so float32 output matches it exactly.
 """
 
 from __future__ import annotations
