@@ -47,13 +47,13 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, model: str | None = None, *, dtype: str = "float32",
-                 device: str = "cpu", scheduler_config: SchedulerConfig | None = None,
+    def __init__(self, model: str | None = None, *, dtype: str = "auto",
+                 kv_dtype: str | None = None, device: str = "cpu", scheduler_config: SchedulerConfig | None = None,
                  num_blocks: int | None = None, max_model_len: int | None = None,
                  runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None):
         config = scheduler_config or SchedulerConfig()
         if runner is None:
-            runner = ModelRunner(model, dtype=dtype, device=device,
+            runner = ModelRunner(model, dtype=dtype, kv_dtype=kv_dtype, device=device,
                                  num_blocks=num_blocks or None, block_size=config.block_size,
                                  max_model_len=max_model_len)
         self.runner = runner

@@ -93,48 +93,8 @@ def parity_section(device: torch.device, smoke: bool) -> dict:
             cases.append(dict(kernel="reshape_and_cache", case=f"bs{block_size}-kv8-d128",
                               dtype=DTYPE_NAMES[dtype], max_abs_error=0.0 if exact else None,
                               passed=exact))
-        cases += norm_rope_cases(device, dtype, smoke)
     return dict(cases=cases, failed=sum(not c["passed"] for c in cases),
                 total=len(cases), tolerances={DTYPE_NAMES[d]: a for d, a in ATOL.items()})
-
-
-def norm_rope_cases(device: torch.device, dtype: torch.dtype, smoke: bool) -> list[dict]:
-    """RMSNorm (plain and with the residual add) and rotary against their references."""
-    from sluice.kernels import norm_rope, norm_rope_reference
-
-    tokens, hidden, heads, kv_heads, head_dim = (3, 128, 4, 2, 64) if smoke else (
-        64, 4096, 32, 8, 128)
-    generator = torch.Generator().manual_seed(7)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=generator).to(device, dtype)
-
-    x, residual, weight = rand(tokens, hidden), rand(tokens, hidden), rand(hidden)
-    inv_freq = 1.0 / 10_000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    angles = torch.outer(torch.arange(4096).float(), inv_freq).repeat(1, 2)
-    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
-    positions = torch.randint(0, 4096, (tokens,), generator=generator).to(device)
-    query, key = rand(tokens, heads, head_dim), rand(tokens, kv_heads, head_dim)
-    pairs = {
-        "rms_norm": (norm_rope.rms_norm(x, weight, 1e-5),
-                     norm_rope_reference.rms_norm(x, weight, 1e-5)),
-        "add_rms_norm": (torch.cat(norm_rope.add_rms_norm(x, residual, weight, 1e-5)),
-                         torch.cat(norm_rope_reference.add_rms_norm(x, residual, weight, 1e-5))),
-        "rotary_embedding": (
-            torch.cat([t.flatten() for t in norm_rope.rotary_embedding(
-                query, key, positions, cos, sin)]),
-            torch.cat([t.flatten() for t in norm_rope_reference.rotary_embedding(
-                query, key, positions, cos, sin)])),
-    }
-    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
-    cases = []
-    for kernel, (got, want) in pairs.items():
-        got, want = got.float(), want.float()
-        error = float((got - want).abs().max())
-        close = torch.allclose(got, want, atol=tolerance, rtol=tolerance)
-        cases.append(dict(kernel=kernel, case=f"hidden{hidden}-h{heads}kv{kv_heads}",
-                          dtype=DTYPE_NAMES[dtype], max_abs_error=error, passed=bool(close)))
-    return cases
 
 
 def copy_bandwidth(device: torch.device, smoke: bool) -> float:

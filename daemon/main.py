@@ -48,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="'null' is a fake zero-cost model for measuring serving overhead")
     serve.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
     serve.add_argument("--device", help="cpu or cuda")
-    serve.add_argument("--dtype", help="float32, bfloat16 or float16")
+    dtypes = ("auto", "float32", "bfloat16", "float16")
+    serve.add_argument("--dtype", choices=dtypes,
+                       help="weights and KV (default auto: bf16 where the hardware has it)")
+    serve.add_argument("--kv-dtype", choices=dtypes, help="the KV pool's (default auto: as --dtype)")
     serve.add_argument("--heartbeat-timeout", type=float, help="seconds of client silence")
     serve.add_argument("--pause-timeout", type=float, help="seconds a paused request may wait")
     serve.add_argument("--drain-deadline", type=float, help="seconds SIGTERM waits")
@@ -73,6 +76,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "null.num_blocks": args.num_blocks if executor == "null" else None,
         "worker.device": args.device,
         "worker.dtype": args.dtype,
+        "worker.kv_dtype": args.kv_dtype,
     }
 
 

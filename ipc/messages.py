@@ -202,6 +202,8 @@ class WorkerStatus:
     pid: int = 0  # the worker process, 0 when there is none (null executor)
     # why the worker is `failed` (it could not start after its attempts); empty otherwise
     failure: str = ""
+    dtype: str = ""  # the weights' dtype the worker runs ("" for the null executor)
+    kv_dtype: str = ""  # the KV pool's dtype
 
 
 @dataclass(frozen=True)
@@ -421,6 +423,8 @@ class WorkerReady:
 
     restarts: int
     pid: int = 0
+    dtype: str = ""  # what the worker resolved --dtype to (and --kv-dtype below)
+    kv_dtype: str = ""
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ high_watermark = 4
 low_watermark = 1
 
 [worker]
+dtype = "float32"
 num_blocks = 512
 threads = 1
 step_timeout = 60.0

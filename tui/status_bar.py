@@ -35,6 +35,9 @@ class StatusBar(Static):
             text.append(worker.state, style=worker_style)
             if worker.state == "failed":  # why, and what the operator can do about it
                 text.append(f" ({worker.failure[:80]}; w retries now)", style="bold red")
+            if worker.dtype:  # the model worker's precision; the null executor has none
+                kv = "" if worker.kv_dtype == worker.dtype else f", kv {worker.kv_dtype}"
+                text.append(f" {worker.dtype}{kv}")
             text.append(f" (restarts {worker.restarts})  connections {status.connections}"
                         f"  {self.address}")
         self.plain = text.plain

@@ -53,7 +53,8 @@ class WorkerStartError(Exception):
 @dataclass(frozen=True)
 class WorkerSpec:
     model: str | None = None  # path, or None for the embedded model
-    dtype: str = "float32"
+    dtype: str = "auto"  # weights: auto | float32 | bfloat16 | float16 (see executor/dtypes.py)
+    kv_dtype: str = "auto"  # the KV pool; auto follows the weights
     device: str = "cpu"
     num_blocks: int | None = None  # None sizes the pool from memory
     block_size: int = 16
@@ -82,6 +83,8 @@ class WorkerFacts:
     block_size: int
     max_model_len: int
     vocab_size: int
+    dtype: str = ""  # what the worker resolved `auto` to, e.g. "bfloat16"
+    kv_dtype: str = ""
 
 
 class Executor(Actor):
@@ -162,7 +165,8 @@ class Executor(Actor):
                     self.failed_starts, backoff = 0, self.spec.backoff_initial
                     self.failure = ""
                     self.state = "ready"
-                    self.scheduler.put(m.WorkerReady(self.restarts, self.pid or 0))
+                    self.scheduler.put(m.WorkerReady(self.restarts, self.pid or 0,
+                                                     self.facts.dtype, self.facts.kv_dtype))
                     if first:
                         first = False
                         task_status.started()
@@ -205,7 +209,8 @@ class Executor(Actor):
     def _command(self, endpoint: str) -> list[str]:
         spec = self.spec
         cmd = [sys.executable, "-m", "sluice.actors.executor.worker", "--endpoint", endpoint,
-               "--dtype", spec.dtype, "--device", spec.device, "--block-size", str(spec.block_size)]
+               "--dtype", spec.dtype, "--kv-dtype", spec.kv_dtype,
+               "--device", spec.device, "--block-size", str(spec.block_size)]
         if spec.model is not None:
             cmd += ["--model", str(spec.model)]
         if spec.num_blocks is not None:
@@ -242,7 +247,7 @@ class Executor(Actor):
         if hello.get("op") != "hello":
             raise WorkerStartError(f"expected hello, got {hello.get('op')!r}")
         facts = WorkerFacts(hello["num_blocks"], hello["block_size"], hello["max_model_len"],
-                            hello["vocab_size"])
+                            hello["vocab_size"], hello.get("dtype", ""), hello.get("kv_dtype", ""))
         if self.facts is not None and facts != self.facts:
             raise WorkerStartError(f"worker came back different: {facts} != {self.facts}")
         await self.sock.send(msgpack.packb({"op": "health"}))
@@ -256,6 +261,8 @@ class Executor(Actor):
                 f"health check answered {answer['token']}, expected {self.known_answer}"
             )
         self.facts = facts
+        log.info("worker ready", pid=self.pid, dtype=facts.dtype, kv_dtype=facts.kv_dtype,
+                 kv_blocks=facts.num_blocks)
 
     async def _receive(self) -> dict[str, Any]:
         return msgpack.unpackb(await self.sock.recv(), strict_map_key=False)

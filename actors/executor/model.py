@@ -4,6 +4,10 @@ flattened batch of tokens and a paged KV pool.
 There is one forward for everything: prefill chunks and decode tokens of many sequences are
 concatenated; attention reads each sequence's context through its block table. Weight
 loading lives in `loader.py`, batching in `runner.py`; attention in `sluice.kernels`.
+
+Weights run in the model dtype (the KV pool may have its own); the residual add and RMSNorm
+are one function and rotary covers q and k in one pass, both computed in float32 with the
+reference implementation's expressions, so float32 output matches it exactly.
 """
 
 from __future__ import annotations
@@ -56,10 +60,12 @@ class _Layer:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 kv_dtype: torch.dtype | None = None):
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # the pool may differ: the kernels cast on write
         missing = [n for n in _required_names(config) if n not in weights]
         if missing:
             raise ValueError(f"model weights are missing {missing[0]!r} ({len(missing)} missing)")
@@ -86,7 +92,7 @@ class LlamaModel:
             layer.gate_up = torch.cat([take(prefix + "gate_proj"), take(prefix + "up_proj")])
             layer.down = take(prefix + "down_proj")
             self.layers.append(layer)
-        self.cos, self.sin = _rotary_tables(config, self.device, dtype)
+        self.cos, self.sin = _rotary_tables(config, self.device)
         self.scale = config.head_dim ** -0.5
 
     @classmethod
@@ -108,8 +114,8 @@ class LlamaModel:
         # zeros, not empty: attention masks padded positions, and 0 * NaN would still be NaN
         shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
         return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(self.config.num_layers)
         ]
 
@@ -124,49 +130,62 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         hidden = self.embed[input_ids]
+        residual = None
         for layer, (key_cache, value_cache) in zip(self.layers, kv_pool):
-            normed = _rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            normed, residual = _add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = _rotate(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = _rotate(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            # q and k sit side by side in qkv's rows: one rotary pass over both heads' sets
+            qk = _rotate(qkv[:, :q_size + kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads,
+                                                        cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, q_size + kv_size:].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             kernels.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
             attended = kernels.paged_attention(
                 q.contiguous(), key_cache, value_cache, attn.block_tables,
                 attn.query_start_loc, attn.seq_lens, self.scale,
             )
-            hidden = hidden + F.linear(attended.view(-1, q_size), layer.o_proj)
-            normed = _rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+            hidden = F.linear(attended.view(-1, q_size), layer.o_proj)
+            normed, residual = _add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
-        return _rms_norm(hidden, self.final_norm, cfg.rms_norm_eps)
+            hidden = F.linear(F.silu(gate) * up, layer.down)
+        normed, _ = _add_rms_norm(hidden, residual, self.final_norm, cfg.rms_norm_eps)
+        return normed
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # in float32 and cast back before the weight, as the reference implementation does
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual): the residual add and the norm at once.
+
+    The sum stays in the model dtype (it is the residual stream the next layer adds to, as in
+    the reference implementation); the norm runs in float32 and is cast back before the weight
+    multiplies it, again as the reference does, so fp32 outputs match it exactly.
+    """
+    summed = x if residual is None else x + residual
+    normed = F.rms_norm(summed.float(), (summed.shape[-1],), None, eps)
+    return normed.to(summed.dtype) * weight, summed
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotary embedding (half-split layout) computed in float32, cast back once at the end."""
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+    # the reference's exact expression (no fused multiply-add): float32 stays bit-identical
+    return (x32 * cos + rotated * sin).to(x.dtype)
 
 
-def _rotary_tables(config: ModelConfig, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotary_tables(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
+    # kept in float32 whatever the model dtype: rotary is computed in float32 (see _rotate)
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
     angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+    return angles.cos().to(device), angles.sin().to(device)
 
 
 def _weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -6,39 +6,34 @@ in-process engine both drive it.
 from __future__ import annotations
 
 import time
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from sluice.actors.executor.dtypes import parse_dtype, resolve_dtypes
 from sluice.actors.executor.loader import load_weights, resolve_model_path
 from sluice.actors.executor.model import AttentionInputs, LlamaModel, ModelConfig
 from sluice.actors.executor.sampler import sample
 from sluice.actors.scheduler.plan import StepPlan, StepResult
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 1 << 30
 CUDA_MEMORY_FRACTION = 0.85  # of the free memory after weights, leaving room for activations
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
-
-
 class ModelRunner:
-    def __init__(self, model_path: str | Path | None = None, *, dtype: str = "float32",
-                 device: str = "cpu", num_blocks: int | None = None, block_size: int = 16,
+    def __init__(self, model_path: str | Path | None = None, *, dtype: str = "auto",
+                 kv_dtype: str | None = None, device: str = "cpu",
+                 num_blocks: int | None = None, block_size: int = 16,
                  max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  model: LlamaModel | None = None):
         if model is None:
             self.model_path = resolve_model_path(model_path)
-            config, weights = load_weights(self.model_path, parse_dtype(dtype))
-            model = LlamaModel(config, weights, device=device, dtype=parse_dtype(dtype))
+            weights_dtype, kv_dtype = resolve_dtypes(dtype, kv_dtype, device)
+            config, weights = load_weights(self.model_path, weights_dtype)
+            model = LlamaModel(config, weights, device=device, dtype=weights_dtype,
+                               kv_dtype=kv_dtype)
         else:
             # a model built elsewhere; the path, when given, still locates its tokenizer
             self.model_path = resolve_model_path(model_path) if model_path else None
@@ -61,7 +56,7 @@ class ModelRunner:
     def _blocks_for_memory(self, kv_cache_bytes: int | None) -> int:
         cfg = self.config
         bytes_per_block = (2 * cfg.num_layers * self.block_size * cfg.num_kv_heads
-                           * cfg.head_dim * self.model.embed.element_size())
+                           * cfg.head_dim * self.model.kv_dtype.itemsize)
         if kv_cache_bytes is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
@@ -97,31 +92,39 @@ class ModelRunner:
         return self.model.logits(hidden[logits_rows])
 
     def _prepare(self, plan: StepPlan):
+        """Model inputs for the whole step, built with a handful of array ops, not per token
+        or per sequence: the per-sequence lists are flattened once, then everything
+        (positions, slot mapping, block tables, the rows that sample) is index arithmetic."""
         bs = self.block_size
-        lengths = np.fromiter((len(s.token_ids) for s in plan.seqs), dtype=np.int64,
-                              count=len(plan.seqs))
-        starts = np.fromiter((s.start_pos for s in plan.seqs), dtype=np.int64,
-                             count=len(plan.seqs))
+        seqs = plan.seqs
+        count = len(seqs)
+        lengths = np.fromiter(map(len, (s.token_ids for s in seqs)), dtype=np.int64, count=count)
+        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=count)
+        table_lens = np.fromiter(map(len, (s.block_table for s in seqs)), dtype=np.int64,
+                                 count=count)
+        samples = np.fromiter((s.sample for s in seqs), dtype=bool, count=count)
         ends = starts + lengths
         if int(ends.max()) > self.max_model_len:
             raise ValueError(f"a sequence reaches {int(ends.max())} tokens, past max_model_len "
                              f"{self.max_model_len}")
-        query_start = np.zeros(len(plan.seqs) + 1, dtype=np.int64)
+        query_start = np.zeros(count + 1, dtype=np.int64)
         np.cumsum(lengths, out=query_start[1:])
-        token_ids = np.fromiter((t for s in plan.seqs for t in s.token_ids), dtype=np.int64,
-                                count=int(query_start[-1]))
-        # position of each token: its sequence's start plus its offset inside the chunk
-        seq_of_token = np.repeat(np.arange(len(plan.seqs)), lengths)
-        positions = starts[seq_of_token] + (np.arange(len(token_ids)) - query_start[seq_of_token])
-        max_blocks = max(len(s.block_table) for s in plan.seqs)
-        tables = np.zeros((len(plan.seqs), max_blocks), dtype=np.int64)
-        for row, seq in enumerate(plan.seqs):
-            tables[row, :len(seq.block_table)] = seq.block_table
-        blocks = tables[seq_of_token, positions // bs]
-        if int(tables.max()) >= self.num_blocks or int(tables.min()) < 0:
+        num_tokens = int(query_start[-1])
+        token_ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64,
+                                count=num_tokens)
+        block_ids = np.fromiter(chain.from_iterable(s.block_table for s in seqs),
+                                dtype=np.int64, count=int(table_lens.sum()))
+        if block_ids.size and (int(block_ids.max()) >= self.num_blocks
+                               or int(block_ids.min()) < 0):
             raise ValueError(f"a block id is outside the pool of {self.num_blocks} blocks")
-        slots = blocks * bs + positions % bs
-        logits_rows = [int(query_start[i + 1]) - 1 for i, s in enumerate(plan.seqs) if s.sample]
+        # block tables: the flat ids poured row by row into a zero-padded matrix
+        tables = np.zeros((count, int(table_lens.max())), dtype=np.int64)
+        tables[np.arange(tables.shape[1])[None, :] < table_lens[:, None]] = block_ids
+        # position of each token: its sequence's start plus its offset inside the chunk
+        seq_of_token = np.repeat(np.arange(count), lengths)
+        positions = starts[seq_of_token] + (np.arange(num_tokens) - query_start[seq_of_token])
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        logits_rows = query_start[1:][samples] - 1  # each sampling sequence's last token
 
         def as_tensor(array, dtype):
             return torch.from_numpy(array).to(device=self.device, dtype=dtype)
@@ -134,4 +137,4 @@ class ModelRunner:
         )
         inputs = (as_tensor(token_ids, torch.long), as_tensor(positions, torch.long),
                   self.kv_pool, attn)
-        return inputs, torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        return inputs, as_tensor(logits_rows, torch.long)

@@ -1,18 +1,34 @@
 """Batched sampling on the model's device: penalties, temperature, top-k/top-p/min-p, seeds.
 
-Randomness never comes from a shared generator: each sampled token draws its noise from a
-generator seeded by (request seed, index of the token). So a seeded request yields the same
-tokens alone or in any batch, and again after a preemption or a worker restart.
+The whole batch is sampled in a few tensor ops, with no loop over rows: penalties are
+scattered for all rows at once; rows with a top-k or top-p bound work on their `topk`
+candidates (`CANDIDATES` of them for a top-p-only row, or every token of a row whose nucleus
+is wider than that: a batched full sort of those rows only); rows with neither race over
+the whole vocabulary, which needs no sort.
+
+Randomness never comes from a shared generator. A token is drawn by an exponential race,
+argmax over kept tokens of (logit / temperature - log E), where E ~ Exp(1) is a hash of
+(request seed, index of the token being sampled, candidate token id) — counter-based, so a
+seeded request yields the same tokens alone or in any batch, however many candidates its
+batch looks at, and again after a preemption or a worker restart. `reference_sample` is
+the same distribution written one row at a time over the full vocabulary: the plain
+definition the batched path must agree with token for token.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from sluice.actors.scheduler.plan import SampledToken, SamplingParams, ScheduledSeq
+from sluice.actors.scheduler.plan import SampledToken, ScheduledSeq
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) pairs apart
 _SEED_MASK = (1 << 63) - 1
+_LOW32 = 0xFFFFFFFF
+# a top-p row without top-k first looks at this many best tokens; when their mass falls
+# short of top_p the row falls back to a full sort (in one batched sort with its like)
+CANDIDATES = 256
 
 
 def token_seed(request_seed: int, index: int) -> int:
@@ -23,72 +39,213 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[SampledToken]
     """logits [len(seqs), vocab] float32, one row per sequence that samples this step."""
     if not seqs:
         return []
-    raw_logprobs = None
-    if any(s.sampling.logprobs is not None for s in seqs):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    device = logits.device
     if any(s.sampling.has_penalties for s in seqs):
-        logits = logits.clone()
-        for row, seq in enumerate(seqs):
-            if seq.sampling.has_penalties:
-                _apply_penalties(logits[row], seq)
+        scores = apply_penalties(logits, seqs)
+    else:
+        scores = logits
+    chosen = scores.argmax(dim=-1)  # greedy rows keep this; sampled rows are overwritten
+    sampled = [row for row, s in enumerate(seqs) if not s.sampling.greedy]
+    if sampled:
+        rows = torch.tensor(sampled, device=device)
+        chosen[rows] = _sample_rows(scores[rows], [seqs[r] for r in sampled])
+    return _results(logits, seqs, chosen)
 
-    greedy = [row for row, s in enumerate(seqs) if s.sampling.greedy]
-    chosen = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-    if greedy:
-        rows = torch.tensor(greedy, device=logits.device)
-        chosen[rows] = logits[rows].argmax(dim=-1)
+
+def apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
+    """Repetition (prompt + output), presence and frequency (output) penalties, all rows."""
+    scores = logits.clone()
+    vocab = logits.shape[1]
+    rep_rows, rep_ids, out_rows, out_ids = [], [], [], []
     for row, seq in enumerate(seqs):
-        if not seq.sampling.greedy:
-            chosen[row] = _sample_row(logits[row], seq)
+        params = seq.sampling
+        outputs = seq.output_token_ids or []
+        if params.repetition_penalty != 1.0:
+            seen = (seq.prompt_token_ids or []) + outputs
+            rep_rows += [row] * len(seen)
+            rep_ids += seen
+        if params.presence_penalty or params.frequency_penalty:
+            out_rows += [row] * len(outputs)
+            out_ids += outputs
 
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(s.sampling, name) for s in seqs], dtype=scores.dtype,
+                            device=scores.device)[:, None]
+
+    if rep_ids:
+        seen = torch.zeros_like(scores, dtype=torch.bool)
+        seen[torch.tensor(rep_rows, device=scores.device),
+             torch.tensor(rep_ids, device=scores.device)] = True
+        penalty = per_row("repetition_penalty")
+        penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
+        scores = torch.where(seen, penalised, scores)
+    if out_ids:
+        counts = torch.zeros_like(scores)
+        flat = (torch.tensor(out_rows, device=scores.device) * vocab
+                + torch.tensor(out_ids, device=scores.device))
+        counts.view(-1).index_add_(0, flat, torch.ones(len(out_ids), dtype=scores.dtype,
+                                                       device=scores.device))
+        scores -= per_row("frequency_penalty") * counts
+        scores -= per_row("presence_penalty") * (counts > 0).to(scores.dtype)
+    return scores
+
+
+def _sample_rows(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
+    """Token ids [rows] for rows that all sample (temperature > 0)."""
+    device, vocab = logits.device, logits.shape[1]
+    params = [s.sampling for s in seqs]
+    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    scaled = logits / temperature
+    keys = race_keys(seqs, device)
+    chosen = torch.empty(len(seqs), dtype=torch.long, device=device)
+    bounded = [i for i, p in enumerate(params) if (0 < p.top_k < vocab) or p.top_p < 1.0]
+    unbounded = sorted(set(range(len(params))) - set(bounded))
+    if unbounded:
+        rows = torch.tensor(unbounded, device=device)
+        ids = torch.arange(vocab, device=device).expand(len(unbounded), vocab)
+        min_p = torch.tensor([params[i].min_p for i in unbounded], device=device)[:, None]
+        chosen[rows] = _race(scaled[rows], ids, keys[rows], min_p, None, None)
+    if bounded:
+        k_needed = [params[i].top_k if 0 < params[i].top_k < vocab else CANDIDATES
+                    for i in bounded]
+        rows = torch.tensor(bounded, device=device)
+        chosen[rows] = _sample_candidates(scaled[rows], keys[rows],
+                                          [params[i] for i in bounded], k_needed)
+    return chosen
+
+
+def _sample_candidates(scaled: torch.Tensor, keys: torch.Tensor, params, k_needed: list[int]):
+    device, vocab = scaled.device, scaled.shape[1]
+    width = min(max(k_needed), vocab)
+    values, ids = scaled.topk(width, dim=-1)  # sorted, best first
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                         device=device)[:, None]
+    values = values.masked_fill(torch.arange(width, device=device)[None, :] >= top_k,
+                                float("-inf"))
+    # top_p 1.0 cuts nothing, not even a tail that float rounding pushes past 1.0
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params],
+                         device=device)[:, None]
+    # the mass the top_p cut is measured against: the whole (top-k-cut) row
+    normalizer = torch.where(top_k < vocab, values.logsumexp(-1, keepdim=True),
+                             scaled.logsumexp(-1, keepdim=True))
+    # a top-p row without top-k is decided among its candidates when their mass reaches
+    # top_p: its nucleus then ends inside them
+    covered = (values - normalizer).exp().sum(-1) >= top_p[:, 0]
+    short = ((top_k[:, 0] >= vocab) & ~covered).nonzero()[:, 0] if width < vocab else None
+    min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+    chosen = _race(values, ids, keys, min_p, top_p, normalizer)
+    if short is not None and short.numel():
+        # nuclei wider than the candidates: those rows, fully sorted, in one batch
+        rows = short
+        all_values, all_ids = scaled[rows].sort(dim=-1, descending=True)
+        chosen[rows] = _race(all_values, all_ids, keys[rows], min_p[rows], top_p[rows],
+                             normalizer[rows])
+    return chosen
+
+
+def _race(values: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, min_p: torch.Tensor,
+          top_p: torch.Tensor | None, normalizer: torch.Tensor | None) -> torch.Tensor:
+    """The winning token id per row among candidates `ids` with scaled logits `values`.
+
+    With `top_p`, the candidates must be sorted best first and `normalizer` is the log of
+    the row's total mass; without it the candidates may come in any order.
+    """
+    row_max = values.max(-1, keepdim=True).values
+    # min_p keeps tokens with probability >= min_p * the top probability
+    keep = values >= row_max + torch.log(min_p)  # log(0) = -inf keeps every token
+    if top_p is not None:
+        probs = (values - normalizer).exp() * keep
+        before = probs.cumsum(-1) - probs
+        # the smallest prefix whose mass reaches top_p (the first token always stays)
+        keep &= before < top_p
+    noise = exponential_noise(keys, ids)
+    race = torch.where(keep, values - noise.log(), float("-inf"))
+    return ids.gather(1, race.argmax(-1, keepdim=True))[:, 0]
+
+
+# -- counter-based noise ----------------------------------------------------------------------
+
+
+def race_keys(seqs: list[ScheduledSeq], device) -> torch.Tensor:
+    """[rows, 2] int64: the two 32-bit halves of each row's (seed, token index) key."""
+    keys = [token_seed(s.sampling_seed, s.num_generated) for s in seqs]
+    return torch.tensor([[k & _LOW32, (k >> 32) & _LOW32] for k in keys], dtype=torch.long,
+                        device=device)
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """x * constant mod 2**32 for x < 2**32, in int64 lanes that never overflow: the constant
+    is split into 16-bit halves, so no partial product reaches 2**63."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & _LOW32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # a 32-bit avalanche finalizer (lowbias32)
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def exponential_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """E ~ Exp(1) per (row key, token id), float32 [rows, candidates]; the same token of the
+    same row always gets the same E."""
+    lo, hi = keys[:, :1], keys[:, 1:]
+    x = _mix32((_mul32(ids, 0x9E3779B1) + lo) & _LOW32)
+    x = _mix32(x ^ hi)
+    x = _mix32((x + lo) & _LOW32)
+    uniform = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -torch.log(uniform)
+
+
+# -- results ----------------------------------------------------------------------------------
+
+
+def _results(logits: torch.Tensor, seqs: list[ScheduledSeq],
+             chosen: torch.Tensor) -> list[SampledToken]:
     token_ids = chosen.tolist()
-    results = []
-    for row, (seq, token_id) in enumerate(zip(seqs, token_ids)):
-        result = SampledToken(token_id=token_id)
-        n = seq.sampling.logprobs
-        if n is not None and raw_logprobs is not None:
-            result.logprob = float(raw_logprobs[row, token_id])
-            if n > 0:
-                values, ids = raw_logprobs[row].topk(n)
-                result.top_logprobs = list(zip(ids.tolist(), values.tolist()))
-        results.append(result)
+    results = [SampledToken(token_id=t) for t in token_ids]
+    wanted = [row for row, s in enumerate(seqs) if s.sampling.logprobs is not None]
+    if not wanted:
+        return results
+    rows = torch.tensor(wanted, device=logits.device)
+    logprobs = torch.log_softmax(logits[rows], dim=-1)  # of the raw logits, as before
+    picked = logprobs.gather(1, chosen[rows][:, None])[:, 0].tolist()
+    n_max = max(seqs[row].sampling.logprobs for row in wanted)
+    top_values, top_ids = logprobs.topk(n_max, dim=-1) if n_max else (None, None)
+    for i, row in enumerate(wanted):
+        results[row].logprob = picked[i]
+        n = seqs[row].sampling.logprobs
+        if n > 0:
+            results[row].top_logprobs = list(zip(top_ids[i, :n].tolist(),
+                                                 top_values[i, :n].tolist()))
     return results
 
 
-def _apply_penalties(row: torch.Tensor, seq: ScheduledSeq) -> None:
-    params: SamplingParams = seq.sampling
-    outputs = torch.tensor(seq.output_token_ids or [], dtype=torch.long, device=row.device)
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor((seq.prompt_token_ids or []) + (seq.output_token_ids or []),
-                            dtype=torch.long, device=row.device).unique()
-        if seen.numel():
-            values = row[seen]
-            row[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                    values * params.repetition_penalty)
-    if outputs.numel() and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(outputs, minlength=row.numel()).to(row.dtype)
-        row -= params.frequency_penalty * counts
-        row -= params.presence_penalty * (counts > 0).to(row.dtype)
-
-
-def _sample_row(row: torch.Tensor, seq: ScheduledSeq) -> torch.Tensor:
+def reference_sample(logits: torch.Tensor, seq: ScheduledSeq) -> int:
+    """One row, the plain way: the definition `sample` must agree with (used by tests)."""
     params = seq.sampling
-    scaled = row / params.temperature
-    if params.top_k and params.top_k < scaled.numel():
+    row = logits[None].clone()
+    if params.has_penalties:
+        row = apply_penalties(row, [seq])
+    row = row[0]
+    if params.greedy:
+        return int(row.argmax())
+    scaled = row / torch.tensor(params.temperature)  # a float32 divisor, as `sample` uses
+    if 0 < params.top_k < scaled.numel():
         kth = scaled.topk(params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    keep = probs >= params.min_p * probs.max()
     if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        cumulative = sorted_probs.cumsum(0)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = (cumulative - sorted_probs) >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    generator = torch.Generator(device=row.device)
-    generator.manual_seed(token_seed(seq.sampling_seed, seq.num_generated))
-    # exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax()
+        sorted_probs, order = (probs * keep).sort(descending=True)
+        drop = (sorted_probs.cumsum(0) - sorted_probs) >= params.top_p
+        keep[order[drop]] = False
+    ids = torch.arange(scaled.numel())
+    keys = race_keys([seq], logits.device)
+    noise = exponential_noise(keys, ids[None])[0]
+    race = torch.where(keep, scaled - noise.log(), float("-inf"))
+    return int(race.argmax())

@@ -57,7 +57,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sluice-worker")
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-dtype", default="auto")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import zmq
 
+    from sluice.actors.executor.dtypes import dtype_name
     from sluice.actors.executor.runner import ModelRunner
 
     if args.threads:
@@ -91,13 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(args.endpoint)
-    runner = ModelRunner(args.model, dtype=args.dtype, device=args.device,
+    runner = ModelRunner(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device,
                          num_blocks=args.num_blocks, block_size=args.block_size,
                          max_model_len=args.max_model_len)
     sock.send(msgpack.packb({
         "op": "hello", "pid": os.getpid(), "num_blocks": runner.num_blocks,
         "block_size": runner.block_size, "max_model_len": runner.max_model_len,
-        "vocab_size": runner.config.vocab_size,
+        "vocab_size": runner.config.vocab_size, "dtype": dtype_name(runner.model.dtype),
+        "kv_dtype": dtype_name(runner.model.kv_dtype),
     }))
     while True:
         if not sock.poll(1000):

@@ -97,6 +97,7 @@ class SchedulerActor(OperatorCommands, Actor):
         self.worker_restarts = 0
         self.worker_pid = 0
         self.worker_failure = ""
+        self.worker_dtypes = ("", "")  # (weights, KV), from the worker's WorkerReady
         self.waiting_for_room = False
         # the worker's state was known to the old incarnation only: ask again (the answer,
         # WorkerReady or WorkerFailed, lands in the inbox like any announcement)
@@ -250,6 +251,7 @@ class SchedulerActor(OperatorCommands, Actor):
         self.worker_failure = ""
         self.worker_restarts = msg.restarts
         self.worker_pid = msg.pid
+        self.worker_dtypes = (msg.dtype, msg.kv_dtype)
         self._maybe_step()
 
     async def on_worker_failed(self, msg: m.WorkerFailed) -> None:

@@ -83,7 +83,7 @@ class OperatorCommands:
         return m.StatusReport(
             state=state,
             worker=m.WorkerStatus(self.worker_state, self.worker_restarts, self.worker_pid,
-                                  self.worker_failure),
+                                  self.worker_failure, *self.worker_dtypes),
             kv=m.KVStatus(bm.num_total_blocks, bm.num_free_blocks, bm.num_used_blocks,
                           bm.num_cached_blocks),
             requests=m.RequestCounts(waiting, len(core.running), len(core.paused)),

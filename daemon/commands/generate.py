@@ -7,6 +7,9 @@ import argparse
 import json
 import sys
 
+# the names only, kept here so the CLI's --help does not import torch
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
@@ -15,8 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--connect", metavar="ADDR", help="daemon address, e.g. tcp://127.0.0.1:7340")
     parser.add_argument("--model", default=None,
                         help="GGUF file or Hugging Face folder (offline; default: embedded model)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="offline only")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="offline only; auto picks bfloat16 where the CPU/GPU has it")
+    parser.add_argument("--kv-dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="offline only; the KV pool's dtype (auto: as --dtype)")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="raw prompt text")
     what.add_argument("--chat", help="a user message, wrapped in the model's chat template")
@@ -77,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         sampling = sampling_from_args(args)
-        engine = Engine(args.model, dtype=args.dtype)
+        engine = Engine(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
         if args.chat is not None:
             prompt = {"messages": [{"role": "user", "content": args.chat}]}
         elif args.prompt_ids is not None:

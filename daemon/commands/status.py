@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     kv, req = report.kv, report.requests
     print(f"state      {report.state}   connections {report.connections}")
-    print(f"worker     {report.worker.state}   restarts {report.worker.restarts}")
+    dtypes = f"   dtype {report.worker.dtype}  kv {report.worker.kv_dtype}" if report.worker.dtype else ""
+    print(f"worker     {report.worker.state}   restarts {report.worker.restarts}{dtypes}")
     if report.worker.failure:
         print(f"           {report.worker.failure}  (`sluice recover` retries now)")
     print(f"kv blocks  total {kv.total_blocks}  free {kv.free_blocks}  used {kv.used_blocks}  "

@@ -15,7 +15,7 @@ COMPILE_ALL = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from sluice.kernels import attention, cache, norm_rope
+    from sluice.kernels import attention, cache
 
     HOPPER = GPUTarget("cuda", 90, 32)
     ATTENTION_POINTERS = dict(
@@ -49,13 +49,6 @@ COMPILE_ALL = textwrap.dedent("""
     build(cache._reshape_and_cache_kernel,
           dict(Key="*DT", Value="*DT", KeyCache="*DT", ValueCache="*DT", SlotMapping="*i64"),
           dict(NUM_KV_HEADS=3, HEAD_DIM=64, HEADS_PAD=4, HEAD_DIM_PAD=64, BLOCK_SIZE=16), "bf16")
-    build(norm_rope._rms_norm_kernel,
-          dict(Out="*DT", Summed="*DT", X="*DT", Residual="*DT", Weight="*DT"),
-          dict(BLOCK=4096, ADD_RESIDUAL=True), "bf16", floats=("eps",))
-    build(norm_rope._rotary_kernel,
-          dict(QueryOut="*DT", KeyOut="*DT", Query="*DT", Key="*DT", Positions="*i64",
-               Cos="*DT", Sin="*DT"),
-          dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEADS_PAD=32, HALF=64, HALF_PAD=64), "bf16")
 """)
 
 
@@ -65,4 +58,4 @@ def test_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", COMPILE_ALL], capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 8
+    assert done.stdout.count("compiled") == 6
