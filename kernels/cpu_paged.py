@@ -55,8 +55,22 @@ def _disabled_by_env() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() in ("off", "0", "false", "no")
 
 
+def _registered_op():
+    """The op if this process already loaded its library, else None."""
+    try:
+        return torch.ops.sluice_cpu.paged_attention_into
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def _build():
     from torch.utils import cpp_extension
+
+    # a process loads the library once: a second copy (another cache dir, a version torch's
+    # extension tooling bumped) registers the op's namespace again, and that aborts
+    loaded = _registered_op()
+    if loaded is not None:
+        return loaded
 
     # a `pip install ninja` lands beside this interpreter, which is not on PATH when the
     # daemon is started as .venv/bin/sluiced without activating the virtualenv
