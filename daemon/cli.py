@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from sluice.daemon.logs import configure_logging
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -45,6 +48,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # what a command prints is its answer (text or --json): log lines go to stderr, and only
+    # warnings unless asked
+    configure_logging(os.environ.get("SLUICE_LOG_LEVEL", "warning"))
     only = argv[0] if argv and argv[0] in COMMANDS else None
     parser = build_parser(only)
     args = parser.parse_args(argv)

@@ -76,9 +76,9 @@ async def _worker_state(control: str, want: str) -> None:
 
 
 async def test_a_worker_that_stops_starting_puts_the_daemon_in_a_failed_state(
-    tmp_path, drained_and_consistent,
+    tmp_path, drained_and_consistent, sluiced,
 ) -> None:
-    start_sluiced = sys.modules["sluice_e2e_fixtures"].start_sluiced
+    start_sluiced = sluiced
     fault = tmp_path / "no-worker"
     process, fields = start_sluiced(
         ["--config", _config(tmp_path, fault), "--listen", "tcp://127.0.0.1:0",

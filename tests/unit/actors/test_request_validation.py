@@ -62,9 +62,9 @@ bodies = st.fixed_dictionaries(
 )
 
 
-def validate(frame: bytes) -> SamplingParams:
+def validate(frame: bytes, limits: Limits = LIMITS) -> SamplingParams:
     msg = codec.decode(frame)
-    refused = check_generate(msg, LIMITS)
+    refused = check_generate(msg, limits)
     if refused is not None:
         raise OverLimit(refused)
     check_prompt_form(msg, VOCAB)
@@ -151,7 +151,7 @@ def test_every_valid_generate_is_accepted_with_its_values(prompt: dict, sampling
     """A validator that refused everything would pass the test above; this one would not."""
     body = {"request_id": request_id, **prompt, "sampling": sampling}
     frame = msgpack.packb([m.PROTOCOL_MAJOR, 0, m.Generate.TAG, body], use_bin_type=True)
-    params = validate(frame)
+    params = validate(frame, Limits())  # valid under the default limits, not the tiny ones above
     for name, value in sampling.items():
         carried = getattr(params, name)
         assert (list(carried) if isinstance(carried, tuple) else carried) == value, name

@@ -12,10 +12,17 @@ letters = st.text(alphabet="ab<", min_size=1, max_size=12)
 
 
 def expected(pieces: list[str], stops: list[str]) -> tuple[str, bool]:
-    """The plain definition: everything before the earliest stop string, and whether one came."""
-    text = "".join(pieces)
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return (text[:min(found)], True) if found else (text, False)
+    """The plain definition: generation stops at the first piece that completes a stop string;
+    the text is everything before the earliest stop string complete by then, and whether one
+    came. (A longer stop string that began earlier but would complete only with a later piece
+    does not count: nothing is generated after a stop.)"""
+    text = ""
+    for piece in pieces:
+        text += piece
+        found = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if found:
+            return text[:min(found)], True
+    return text, False
 
 
 class TextPieces(IncrementalDetokenizer):
