@@ -392,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     from sluice.actors.text import load_tokenizer
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    import structlog  # the engine's own log lines go to stderr: stdout is the report
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     threads = args.threads
     torch.set_num_threads(threads)
     dtype = DTYPES[args.dtype]

@@ -1,9 +1,10 @@
 """Which dtypes the weights and the KV pool use: the names users give, and what `auto` means.
 
 `auto` (the default everywhere: daemon, `sluice generate`, `Engine`) picks bfloat16 where the
-hardware multiplies it natively — a CPU with AVX512-BF16 or AMX-BF16 (or Arm BF16), a CUDA
-GPU with bf16 support — float16 on older CUDA GPUs, and float32 elsewhere. It detects; it
-never guesses from the vendor. The KV pool follows the weights unless `kv_dtype` says
+hardware multiplies it natively — a CPU with AVX512-BF16 or AMX-BF16 (or Arm BF16) on which
+a bf16 matmul, measured once at start, is at least as fast as an fp32 one; a CUDA GPU with
+bf16 support — float16 on older CUDA GPUs, and float32 elsewhere. It detects and measures;
+it never guesses from the vendor. The KV pool follows the weights unless `kv_dtype` says
 otherwise. Nothing here loads a model.
 """
 
@@ -48,7 +49,7 @@ def auto_dtype(device: str | torch.device) -> torch.dtype:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and cpu_has_native_bf16():
+    if device.type == "cpu" and cpu_has_native_bf16() and cpu_bf16_matmul_pays():
         return torch.bfloat16
     return torch.float32
 
@@ -73,8 +74,17 @@ def _cpu_flags() -> set[str] | None:
     return None
 
 
+@functools.cache
+def cpu_bf16_matmul_pays() -> bool:
+    """Whether torch's bf16 matmul on this CPU is at least as fast as its fp32 one. A CPU can
+    list the bf16 instructions while the matmul library still runs bf16 slower than fp32
+    (measured on one such machine: 175 against 345 GFLOP/s at 2048^3, and the offline
+    workload 23% slower in bf16); then bf16 would only cost precision."""
+    return _bf16_matmul_is_faster(n=1024)
+
+
 def _bf16_matmul_is_faster(n: int = 512, repeats: int = 3) -> bool:
-    """Best-of-N small square matmul: emulated bf16 is slower than fp32, native is faster."""
+    """Best-of-N square matmul: emulated bf16 is slower than fp32, native is faster."""
     def best(dtype: torch.dtype) -> float:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         torch.mm(a, b)  # warm up (allocations, kernel choice)

@@ -38,6 +38,8 @@ def cpuinfo(tmp_path, monkeypatch):
         monkeypatch.setattr(dtypes, "_CPUINFO", path)
         dtypes.cpu_has_native_bf16.cache_clear()
 
+    # the flags decide here; whether bf16 pays on this machine has a test of its own
+    monkeypatch.setattr(dtypes, "cpu_bf16_matmul_pays", lambda: True)
     yield use
     dtypes.cpu_has_native_bf16.cache_clear()
 
@@ -52,6 +54,15 @@ def test_auto_is_bfloat16_only_on_a_cpu_with_native_bf16(cpuinfo):
     assert resolve_dtypes("auto", None, "cpu") == (torch.bfloat16, torch.bfloat16)
     cpuinfo("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")  # an Arm core with BF16
     assert resolve_dtypes("auto", "auto", "cpu") == (torch.bfloat16, torch.bfloat16)
+
+
+def test_a_cpu_whose_bf16_matmul_is_slower_stays_in_float32(cpuinfo, monkeypatch):
+    from sluice.actors.executor import dtypes
+
+    cpuinfo(X86_FLAGS + " avx512_bf16\n")
+    monkeypatch.setattr(dtypes, "cpu_bf16_matmul_pays", lambda: False)
+    assert resolve_dtypes("auto", None, "cpu") == (torch.float32, torch.float32)
+    assert resolve_dtypes("bfloat16", None, "cpu") == (torch.bfloat16, torch.bfloat16)
 
 
 def test_explicit_dtypes_win_and_the_kv_pool_may_differ(cpuinfo):
