@@ -11,8 +11,9 @@ No send waits on one peer (see `ipc.sockets`): a peer whose queue is full is for
 counted. What one client can make the gateway hold is bounded: frame bytes (`MAXMSGSIZE`,
 so an oversize frame is never buffered: libzmq drops that peer), frames queued to it
 (`SNDHWM`), and connections (live Streams; past the cap a new peer gets
-`Rejected(overloaded)` and no actor). ZeroMQ heartbeats and a handshake deadline clear dead
-and half-open peers. Running out of descriptors costs the message that needed one, never
+`Rejected(overloaded)` and no actor). TCP keepalive and a handshake deadline clear dead and
+half-open peers; a peer that is connected but silent loses its stream to the Stream's own
+heartbeat timeout. Running out of descriptors costs the message that needed one, never
 the daemon. A Stream's crash is its connection's alone: it is supervised as transient.
 
 With a CURVE secret key the socket is a CURVE server and a ZAP handler (in this actor)
@@ -44,6 +45,7 @@ from sluice.ipc.sockets import PeerFull, PeerGone, Socket
 
 log = structlog.get_logger("sluice.gateway")
 
+KEEPALIVE_PROBES = 3  # unanswered keepalive probes before the kernel drops a connection
 _FORGOTTEN = ("this connection was dropped because it did not read what it was sent; "
               "its requests ended")
 
@@ -98,16 +100,21 @@ class Gateway(Actor):
 
     def _limit_peers(self, router: zmq.Socket) -> None:
         """What one peer may make this socket hold; set before bind, so every pipe has it."""
-        interval, timeout = (max(1, int(s * 1000)) for s in self.heartbeat)
+        interval, timeout = self.heartbeat
         # a peer that does not read pins at most this many frames, then it is forgotten
         router.setsockopt(zmq.SNDHWM, self.limits.peer_send_hwm)
         # checked while a frame arrives: a larger one is never buffered, its peer is dropped
         router.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
-        # ZeroMQ's own pings clear dead and half-open peers even when no frame is due, and a
-        # connection that never finishes its handshake is dropped after the same timeout
-        router.setsockopt(zmq.HEARTBEAT_IVL, interval)
-        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
-        router.setsockopt(zmq.HANDSHAKE_IVL, timeout)
+        # a connection that never finishes its handshake is dropped after the silence timeout
+        router.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(timeout * 1000)))
+        # dead and half-open peers are found by the kernel's keepalive probes. Not by ZeroMQ's
+        # own pings (ZMQ_HEARTBEAT_IVL): libzmq 4.3 aborts the process when a ping falls due on
+        # a connection whose peer hung up while its inbound queue was full (a flood, then a
+        # disconnect), so that option hands any client a way to kill the daemon
+        router.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        router.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, round(timeout)))
+        router.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, round(interval)))
+        router.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
 
     def _shown(self, identity: bytes) -> str:
         """A routing id as a log may show it: the client chose it, so it is clipped."""

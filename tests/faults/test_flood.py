@@ -14,8 +14,10 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import trio
+import zmq
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
@@ -38,9 +40,9 @@ max_model_len = 32768
 codec = Codec(m.CLIENT_MESSAGES)
 
 
-def start(daemon_process, tmp_path):
+def start(daemon_process, tmp_path, more_config: str = ""):
     config = tmp_path / "sluiced.toml"
-    config.write_text(CONFIG)
+    config.write_text(CONFIG + more_config)
     return daemon_process(
         ["--executor", "null", "--config", str(config), "--listen", "tcp://127.0.0.1:0",
          "--control", f"ipc://{tmp_path}/control.sock", "--drain-deadline", "10"],
@@ -65,13 +67,17 @@ async def wait_until_stuck(control: str, flooder: Flooder) -> None:
             await trio.sleep(0.2)
 
 
-async def serve_a_good_client_during_the_flood(listen: str, control: str, drained) -> None:
+async def serve_a_good_client(listen: str) -> None:
     with trio.fail_after(30):
         async with AsyncClient(listen, daemon_timeout=10) as client:
             generation = await client.generate("hello", max_tokens=8, temperature=0)
             result = await generation.collect()
     assert result.finish_reason == "length"
     assert len(result.token_ids) == 8
+
+
+async def serve_a_good_client_during_the_flood(listen: str, control: str, drained) -> None:
+    await serve_a_good_client(listen)
     with trio.fail_after(30):
         first = await fetch_status(control)
         assert first.gateway.forgotten_peers >= 1
@@ -115,3 +121,42 @@ async def test_huge_credits_with_a_client_that_never_reads(
         await wait_until_stuck(control, flooder)
         await serve_a_good_client_during_the_flood(listen, control, drained_and_consistent)
         await sigterm_exits_zero(process)
+
+
+def flood_then_vanish(listen: str, peers: int, seconds: float) -> None:
+    """`peers` connections send undecodable frames for `seconds`, faster than the daemon can
+    read them, and then drop their connections with frames still queued."""
+    context = zmq.Context.instance()
+    sockets = []
+    for _ in range(peers):
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.connect(listen)
+        sockets.append(sock)
+    junk = b"\xc1" * 64  # never valid msgpack: each one is worth a Rejected
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        for sock in sockets:
+            for _ in range(200):
+                sock.send(junk, zmq.NOBLOCK)
+    for sock in sockets:
+        sock.close(0)
+
+
+async def test_flooders_that_hang_up_mid_flood_cost_nothing_but_themselves(
+        tmp_path, daemon_process, drained_and_consistent) -> None:
+    # fast heartbeats: with ZeroMQ's own pings on the client socket, one falling due on a
+    # connection whose peer hung up while its inbound queue was full aborted the daemon
+    process, listen, control = start(daemon_process, tmp_path, """
+[stream]
+heartbeat_interval = 0.05
+heartbeat_timeout = 2.0
+""")
+    for _ in range(3):
+        await trio.to_thread.run_sync(flood_then_vanish, listen, 48, 0.5)
+        await trio.sleep(0.3)
+        assert process.poll() is None, "the daemon died"
+    await serve_a_good_client(listen)
+    await drained_and_consistent(control)
+    await sigterm_exits_zero(process)
