@@ -34,7 +34,10 @@ class Limits:
     max_stop_string_chars: int = 256
     max_request_id_chars: int = 128
     max_tenant_chars: int = 64
-    max_credits: int = 4096  # larger grants are clamped to this
+    # larger grants are clamped to this. Within it a client that reads nothing still gets that
+    # many chunks made for each request, work everyone's latency pays for; a reader that falls
+    # behind loses nothing (chunks merge while it has no credit), so it is kept small
+    max_credits: int = 64
     # client-chosen strings (ids, tenant names) are cut to this many characters in logs
     log_string_chars: int = 64
     # without CURVE, may a client name a tenant that neither the config nor an operator made?

@@ -87,7 +87,7 @@ async def well_behaved_client(listen: str, number: int, max_tokens: int, timeout
                     record.without_finished += accepted
                     break  # this connection may be wedged: start a fresh one
                 except RejectedError as exc:
-                    record.failures[f"rejected: {type(exc).__name__}"] += 1
+                    record.failures[f"rejected: {type(exc).__name__} [{exc.field}]"] += 1
                     await trio.sleep(0.2)
                     continue
                 except SluiceError as exc:
@@ -112,6 +112,11 @@ async def run_clients(args, listen: str, seconds: float, record: WellBehaved,
                 nursery.start_soon(well_behaved_client, listen, number, args.max_tokens,
                                    args.request_timeout, record, stop)
             if extra is not None:
+                # applications hold their connections: the hostile ones (a hoarder among
+                # them) start once every well-behaved client is connected and served
+                with trio.move_on_after(10):
+                    while record.accepted < args.clients:
+                        await trio.sleep(0.05)
                 extra(nursery, stop)
             await trio.sleep(seconds)
             stop.set()

@@ -32,6 +32,7 @@ from flooders import Flooder
 CONFIG = """
 [limits]
 peer_send_hwm = 16
+{limits}
 
 [null]
 max_model_len = 32768
@@ -40,9 +41,9 @@ max_model_len = 32768
 codec = Codec(m.CLIENT_MESSAGES)
 
 
-def start(daemon_process, tmp_path, more_config: str = ""):
+def start(daemon_process, tmp_path, more_config: str = "", limits: str = ""):
     config = tmp_path / "sluiced.toml"
-    config.write_text(CONFIG + more_config)
+    config.write_text(CONFIG.format(limits=limits) + more_config)
     return daemon_process(
         ["--executor", "null", "--config", str(config), "--listen", "tcp://127.0.0.1:0",
          "--control", f"ipc://{tmp_path}/control.sock", "--drain-deadline", "10"],
@@ -111,7 +112,9 @@ async def test_describe_flood_that_never_reads_costs_only_the_flooder(
 
 async def test_huge_credits_with_a_client_that_never_reads(
         tmp_path, daemon_process, drained_and_consistent) -> None:
-    process, listen, control = start(daemon_process, tmp_path)
+    # an operator who trusts clients raised the clamp: a non-reader's chunks may then outgrow
+    # the socket buffers between the daemon and it (the default clamp pauses it long before)
+    process, listen, control = start(daemon_process, tmp_path, limits="max_credits = 1000000")
     # 64 long requests, each granting ~2**31 credits up front: every chunk may be sent at once,
     # far more than the socket buffers between the daemon and the flooder hold
     generates = [codec.encode(m.Generate(f"g{i}", prompt="flood", credits=2**31 - 1,

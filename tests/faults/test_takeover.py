@@ -65,6 +65,9 @@ async def test_with_curve_a_stream_is_bound_to_its_key(null_daemon) -> None:
         with RawPeer(handle.listen, identity, curve=(server_public, *first)) as owner:
             await owner.send(paused("mine"))
             assert isinstance(await owner.receive(), m.Accepted)
+            # its one chunk taken, the request waits for credits: nothing more is sent to this
+            # id (a send after the owner left would end the stream before the newcomer came)
+            assert isinstance(await owner.receive(), m.Chunk)
         # the owner left; its stream lives on until its heartbeat timeout
         old_stream = gateway.streams[identity]
         newcomer = await connect_once_the_id_is_free(handle.listen, identity,
