@@ -15,7 +15,7 @@ from sluice.actors.executor.runner import ModelRunner
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
 from sluice.actors.scheduler.errors import InvalidRequest
 from sluice.actors.scheduler.plan import InvalidParams, RequestOutput, SamplingParams, StepResult
-from sluice.actors.text import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from sluice.actors.text import RequestText, Tokenizer, load_tokenizer
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Completion:
 
 @dataclass
 class _Tracked:
-    detokenizer: IncrementalDetokenizer
+    text: RequestText
     completion: Completion
 
 
@@ -86,10 +86,8 @@ class Engine:
             raise InvalidRequest(f"request_id: {request_id!r} is already in use")
         self.scheduler.add_request(Request(request_id, ids, sampling, tenant=tenant,
                                            priority=priority))
-        self._tracked[request_id] = _Tracked(
-            IncrementalDetokenizer(self.tokenizer, sampling.stop),
-            Completion(request_id, ids),
-        )
+        self._tracked[request_id] = _Tracked(RequestText(self.tokenizer, sampling.stop, len(ids)),
+                                              Completion(request_id, ids))
         return request_id
 
     def _prompt_ids(self, prompt, messages, prompt_token_ids) -> list[int]:
@@ -127,10 +125,9 @@ class Engine:
         if tracked is None:
             return EngineOutput(out.request_id, out.new_token_ids, "", out.finished,
                                 out.finish_reason)
-        detok, completion = tracked.detokenizer, tracked.completion
-        before = len(detok.text)
-        detok.push(out.new_token_ids)
-        if detok.stopped and not out.finished:
+        text, completion = tracked.text, tracked.completion
+        delta = text.push(out.new_token_ids)
+        if text.stopped and not out.finished:
             # a stop string ended the text: end the request in this same iteration
             stopped = self.scheduler.finish(out.request_id, "stop")
             if stopped is not None:
@@ -139,22 +136,17 @@ class Engine:
         completion.token_ids.extend(out.new_token_ids)
         usage = None
         if out.finished:
-            detok.flush()
+            delta += text.end(out.finish_reason or "")
             completion.finish_reason = out.finish_reason
-            completion.text = detok.text
-            usage = {
-                "prompt_tokens": len(completion.prompt_token_ids),
-                "completion_tokens": len(completion.token_ids),
-                "cached_tokens": out.cached_tokens,
-                "preemptions": out.preemptions,
-                "recomputed_tokens": out.recomputed_tokens,
-            }
+            completion.text = text.text
+            usage = dataclasses.asdict(text.usage(out.cached_tokens, out.recomputed_tokens))
+            usage["preemptions"] = out.preemptions
             completion.usage = usage
             del self._tracked[out.request_id]
             if out.request_id in self._awaited:
                 self._finished[out.request_id] = completion
-        return EngineOutput(out.request_id, out.new_token_ids, detok.text[before:],
-                            out.finished, out.finish_reason, usage)
+        return EngineOutput(out.request_id, out.new_token_ids, delta, out.finished,
+                            out.finish_reason, usage)
 
     def generate(self, prompts: list, sampling: SamplingParams | list[SamplingParams] | None = None,
                  *, chat: bool = False) -> list[Completion]:

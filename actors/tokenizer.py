@@ -29,7 +29,7 @@ from sluice.actors.base import Actor, Handler, Inbox, Outboxes
 from sluice.actors.intake import check_prompt_form, sampling_from_wire
 from sluice.actors.limits import Limits, clip
 from sluice.actors.scheduler.plan import InvalidParams, SamplingParams
-from sluice.actors.text import IncrementalDetokenizer
+from sluice.actors.text import RequestText
 from sluice.ipc import messages as m
 
 log = structlog.get_logger("sluice.tokenizer")
@@ -69,12 +69,10 @@ def prompt_bytes(request: m.Generate) -> int:
 class _Detok:
     client_id: str
     reply_to: str  # the address of its Stream actor's inbox
-    detok: IncrementalDetokenizer
+    text: RequestText
     arrival: float
-    prompt_tokens: int
     admitted_at: float = 0.0
     first_token_at: float = 0.0
-    completion_tokens: int = 0
 
 
 class Tokenizer(Actor):
@@ -199,8 +197,7 @@ class Tokenizer(Actor):
         request = msg.generate
         self.requests[msg.request_id] = _Detok(
             request.request_id, msg.reply_to,
-            IncrementalDetokenizer(self.tokenizer, stop=sampling.stop),
-            msg.arrival, len(prompt_ids),
+            RequestText(self.tokenizer, sampling.stop, len(prompt_ids)), msg.arrival,
         )
         self.stream_users[msg.reply_to] += 1
         self.scheduler.put(m.Admit(msg.request_id, msg.connection, tuple(prompt_ids), sampling,
@@ -265,36 +262,29 @@ class Tokenizer(Actor):
         if out.new_token_ids:
             if not state.first_token_at:
                 state.first_token_at = now
-            state.completion_tokens += len(out.new_token_ids)
-            text = state.detok.push(out.new_token_ids)
+            text = state.text.push(out.new_token_ids)
             logprobs = None
             if out.logprobs:
                 logprobs = tuple(float(t.logprob or 0.0) for t in out.logprobs)
             sent.append(m.Chunk(state.client_id, text, tuple(out.new_token_ids), logprobs))
-            if state.detok.stopped:
+            if state.text.stopped:
                 self.scheduler.put(m.Finish(out.request_id))
                 sent.append(self._finished(out, state, m.FinishReason.STOP, now))
                 self._end(out.request_id)
                 return
         if out.finished:
             reason = FINISH_REASONS.get(out.finish_reason or "", m.FinishReason.ERROR)
-            if reason in (m.FinishReason.STOP, m.FinishReason.LENGTH):
-                rest = state.detok.flush()
-                if rest:
-                    sent.append(m.Chunk(state.client_id, rest, ()))
-            elif reason is m.FinishReason.ERROR:
+            if rest := state.text.end(reason.name.lower()):
+                sent.append(m.Chunk(state.client_id, rest, ()))
+            if reason is m.FinishReason.ERROR:
                 sent.append(m.Error(state.client_id, ERROR_MESSAGES.get(
                     out.finish_reason, "the request failed in the daemon")))
             sent.append(self._finished(out, state, reason, now))
             self._end(out.request_id)
 
     def _finished(self, out, state: _Detok, reason: m.FinishReason, now: float) -> m.Finished:
-        usage = m.Usage(
-            prompt_tokens=state.prompt_tokens,
-            completion_tokens=state.completion_tokens,
-            cached_tokens=int(getattr(out, "cached_tokens", 0) or 0),
-            recomputed_tokens=int(getattr(out, "recomputed_tokens", 0) or 0),
-        )
+        usage = state.text.usage(int(getattr(out, "cached_tokens", 0) or 0),
+                                 int(getattr(out, "recomputed_tokens", 0) or 0))
         timings = m.Timings(
             queued=max(0.0, state.admitted_at - state.arrival) if state.admitted_at else 0.0,
             first_token=max(0.0, state.first_token_at - state.arrival) if state.first_token_at else 0.0,

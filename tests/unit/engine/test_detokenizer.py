@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sluice.actors.text import IncrementalDetokenizer
+from sluice.actors.text import IncrementalDetokenizer, RequestText
 
 
 def stream(tokenizer, text: str, stop=()):
@@ -39,3 +39,18 @@ def test_text_that_only_looks_like_a_stop_prefix_is_released(smollm_tokenizer):
 def test_earliest_of_several_stop_strings_wins(smollm_tokenizer):
     pieces, detok = stream(smollm_tokenizer, "one two three four", stop=("four", "two"))
     assert detok.stopped and "".join(pieces) == "one "
+
+
+def test_held_back_text_is_released_only_when_the_request_ends_by_stop_or_length(
+        smollm_tokenizer):
+    ids = smollm_tokenizer.encode("alpha beta <|ST")  # ends in what could start the stop
+    for reason, released in (("length", True), ("stop", True), ("cancelled", False),
+                             ("error", False), ("timeout", False)):
+        text = RequestText(smollm_tokenizer, ("<|STOP|>",), prompt_tokens=5)
+        sent = text.push(ids)
+        assert not text.stopped and "<|" not in sent
+        rest = text.end(reason)
+        assert (sent + rest == "alpha beta <|ST") is released
+        assert rest == "" or released
+        usage = text.usage(cached_tokens=2)
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (5, len(ids), 2)

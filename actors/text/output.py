@@ -1,0 +1,45 @@
+"""One request's output as its client sees it: text deltas, stop strings, usage.
+
+The daemon's Tokenizer actor and the in-process `Engine` both render a request through one
+`RequestText`, so they cannot disagree on where a stop string ends the text, what held-back
+text is released at the end, or how tokens are counted.
+"""
+
+from __future__ import annotations
+
+from sluice.actors.text.detokenizer import IncrementalDetokenizer
+from sluice.ipc.messages import Usage
+
+# the ends after which text held back (a possible start of a stop string) is the client's;
+# a cancelled or failed request ends where its last delta ended
+RELEASES_HELD_TEXT = frozenset(("stop", "length"))
+
+
+class RequestText:
+    def __init__(self, tokenizer, stop: tuple[str, ...] | list[str], prompt_tokens: int):
+        self._detok = IncrementalDetokenizer(tokenizer, stop)
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+
+    @property
+    def text(self) -> str:
+        """Everything released so far."""
+        return self._detok.text
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the text: the request must end now, as `stop`."""
+        return self._detok.stopped
+
+    def push(self, token_ids: list[int] | tuple[int, ...]) -> str:
+        """One step's tokens (all are counted, even past a stop string); the text to send."""
+        self.completion_tokens += len(token_ids)
+        return self._detok.push(list(token_ids))
+
+    def end(self, reason: str) -> str:
+        """The request ended for `reason`: the held-back text it releases ("" if none)."""
+        return self._detok.flush() if reason in RELEASES_HELD_TEXT else ""
+
+    def usage(self, cached_tokens: int = 0, recomputed_tokens: int = 0) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     cached_tokens=cached_tokens, recomputed_tokens=recomputed_tokens)
