@@ -40,7 +40,7 @@ class OperatorCommands:
         elif isinstance(command, m.TenantSet):
             reply = self._set_tenant(command)
         elif isinstance(command, m.InjectFault) and command.kind == "leak_block":
-            block = self.core.block_manager.allocate(1)[0]
+            block = self.core.kv_cache.allocate(1)[0]
             reply = m.CommandReply("fault", True, f"leaked block {block}")
         elif isinstance(command, m.InjectFault) and command.kind == "crash_scheduler":
             # answer first: the control actor must not wait for a reply that never comes
@@ -71,7 +71,7 @@ class OperatorCommands:
 
     def report(self, *, check: bool = False) -> m.StatusReport:
         core = self.core
-        bm = core.block_manager
+        bm = core.kv_cache
         errors: tuple[str, ...] = ()
         if check:
             try:
@@ -105,8 +105,8 @@ class OperatorCommands:
         core = self.core
         if command.reset:
             current = TenantConfig()
-        elif command.name in core.tenants:
-            current = core.tenants[command.name].config
+        elif command.name in core.ledger.tenants:
+            current = core.ledger.tenants[command.name].config
         else:
             current = core.config.tenant(command.name)
         changes = {f.name: getattr(command, f.name) for f in dataclasses.fields(current)
@@ -121,7 +121,7 @@ class OperatorCommands:
 
     def reconcile(self, connections: frozenset[bytes]) -> list[str]:
         """Fix what the tables disagree on and say what it was; runs between steps."""
-        core, bm = self.core, self.core.block_manager
+        core, bm = self.core, self.core.kv_cache
         findings: list[str] = []
         gone = []
         for rid in core.requests:
@@ -154,8 +154,8 @@ class OperatorCommands:
         for request in core.requests.values():
             for block in request.block_ids:
                 owned[block] = owned.get(block, 0) + 1
-        counts = (core.block_manager.ref_count(b) - owned.get(b, 0)
-                  for b in range(core.block_manager.num_total_blocks))
+        counts = (core.kv_cache.ref_count(b) - owned.get(b, 0)
+                  for b in range(core.kv_cache.num_total_blocks))
         return [(block, extra) for block, extra in enumerate(counts) if extra > 0]
 
     def detail(self, max_requests: int = 200) -> dict:
