@@ -80,7 +80,9 @@ def check_invariants(table: RequestTable, kv_cache: KVCacheManager, ledger: Tena
         counts[1] += request.in_queue
         counts[2] += rid in running
     for table_name, table in (("running", running), ("paused", paused), ("prefilling", prefilling)):
-        problems += [f"{rid} is in {table_name} but not live" for rid in table if rid not in requests]
+        problems += [
+            f"{rid} is in {table_name} but not live" for rid in table if rid not in requests
+        ]
     queued = sum(counts[1] for counts in actual.values())
     if queued != len(waiting):
         problems.append(f"queue length {len(waiting)} but {queued} requests queued")

@@ -7,7 +7,7 @@ import trio
 
 from sluice.actors.base import Inbox
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
-from sluice.actors.scheduler.actor import SchedulerActor
+from sluice.actors.scheduler_actor import SchedulerActor
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepPlan, StepResult
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
