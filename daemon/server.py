@@ -30,7 +30,7 @@ from sluice.actors.executor.loader import resolve_model_path
 from sluice.actors.executor.null import NullExecutor
 from sluice.actors.gateway import Gateway
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
-from sluice.actors.scheduler.actor import SchedulerActor
+from sluice.actors.scheduler_actor import SchedulerActor
 from sluice.actors.stream import Stream
 from sluice.actors.supervisor import Supervisor
 from sluice.actors.text import load_tokenizer

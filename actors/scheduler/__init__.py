@@ -1,19 +1,22 @@
-"""The scheduler core: request table, block manager, policies and admission, free of I/O.
+"""The scheduler core, free of I/O: the scheduler (queues and state transitions), the KV cache
+manager (blocks and the prefix cache), the tenant ledger (limits and accounting), the plan
+builder (the state of one planning iteration), policies and the wait queue.
 
-The daemon's Scheduler actor (`actor.py`) and the in-process engine both drive this core;
-the simulator (`simulator.py`) drives it with a cost model instead of a model.
+The daemon's Scheduler actor (`sluice.actors.scheduler_actor`) and the in-process engine both
+drive this core; the simulator (`simulator.py`) drives it with a cost model instead of a model.
 """
 
-from sluice.actors.scheduler.block_manager import BlockManager
 from sluice.actors.scheduler.config import ConfigError, SchedulerConfig, TenantConfig
-from sluice.actors.scheduler.core import Scheduler
 from sluice.actors.scheduler.errors import InvalidRequest, Overloaded, Quota, Rejected, TooLong
+from sluice.actors.scheduler.kv_cache import KVCacheManager
 from sluice.actors.scheduler.request import Request, RequestState
+from sluice.actors.scheduler.scheduler import Scheduler
+from sluice.actors.scheduler.tenant_ledger import TenantLedger
 
 __all__ = [
-    "BlockManager",
     "ConfigError",
     "InvalidRequest",
+    "KVCacheManager",
     "Overloaded",
     "Quota",
     "Rejected",
@@ -22,5 +25,6 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "TenantConfig",
+    "TenantLedger",
     "TooLong",
 ]

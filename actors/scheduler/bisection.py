@@ -9,7 +9,7 @@ group whose probe is lost again splits again, so the request that kills the work
 alone. Only a request that was alone in a lost step is charged: past `max_losses` such losses
 it fails, and the innocent requests batched with it finish normally.
 
-This module decides who is suspected and which group goes next; `core.py` plans the steps.
+This module decides who is suspected and which group goes next; `scheduler.py` plans the steps.
 """
 
 from __future__ import annotations

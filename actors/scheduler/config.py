@@ -1,6 +1,6 @@
 """Scheduler settings: the `[scheduler]` table of a config or scenario file, and per-tenant limits.
 
-Only plain data and its validation live here; what the numbers mean in a step is `core.py`.
+Only plain data and its validation live here; what the numbers mean in a step is `scheduler.py`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from sluice.actors.scheduler import Scheduler
+from sluice.actors.scheduler.scheduler import Scheduler
 from sluice.actors.scheduler.plan import RequestOutput, StepPlan
 
 

@@ -2,54 +2,17 @@
 
 A policy is an object over the same core. It gives each request a static sort key inside its
 tenant, and picks which tenant goes next. Aging (a request that has waited `max_wait` goes
-first) lives in the wait queue, so every policy gets it. Per-tenant accounting (service,
-virtual counters) lives here too because the fair policy decides by it.
+first) lives in the wait queue, so every policy gets it. The per-tenant service and virtual
+counters the fair policy decides by are kept by the tenant ledger (`tenant_ledger.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from sluice.actors.scheduler.config import SchedulerConfig, TenantConfig
+from sluice.actors.scheduler.config import SchedulerConfig
 from sluice.actors.scheduler.request import Request
-
-
-@dataclass(slots=True)
-class TenantUsage:
-    """What one tenant has used since the scheduler started; kept while the tenant is idle,
-    because metrics and billing count it (the per-request usage records are the bill itself)."""
-
-    service: float = 0.0  # c_p * prompt tokens + c_d * output tokens computed
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    recomputed_tokens: int = 0
-    cached_tokens: int = 0
-    preemptions: int = 0
-    kv_block_seconds: float = 0.0
-    finished: int = 0
-    rejected: int = 0
-
-    def add(self, other: TenantUsage) -> None:
-        for name in self.__slots__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-
-@dataclass(slots=True)
-class TenantState:
-    """What the scheduler needs to schedule one tenant that has live requests.
-
-    It exists only while the tenant has a live request: an idle tenant's scheduling state is
-    dropped (so one-off tenant names cost nothing per step), its `usage` is kept.
-    """
-
-    name: str
-    config: TenantConfig
-    usage: TenantUsage  # since it became active; added to its record when it goes idle
-    virtual_time: float = 0.0  # service / weight since the tenant became active, fair policy
-    live: int = 0  # requests not ended (waiting, running, paused or preempted)
-    waiting: int = 0
-    running: int = 0  # requests holding KV (prefilling or decoding), not counting paused
+from sluice.actors.scheduler.tenant_ledger import TenantState
 
 
 class Policy:

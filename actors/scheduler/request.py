@@ -1,15 +1,18 @@
 """One request as the scheduler sees it: its tokens, progress, KV blocks, timestamps and cost.
 
-The request object is the only place a request's progress lives; the scheduler core moves it
-between states and queues, the block manager owns the blocks it lists.
+The request object is the only place a request's progress lives, and it checks its own fields
+and keeps its own counts as tokens are computed and sampled; the scheduler moves it between
+states and queues, the KV cache manager owns the blocks it lists.
 """
 
 from __future__ import annotations
 
 import enum
+import random
 from dataclasses import dataclass, field
 
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.actors.scheduler.errors import InvalidRequest
+from sluice.actors.scheduler.plan import RequestOutput, SamplingParams
 
 
 class RequestState(enum.Enum):
@@ -109,3 +112,81 @@ class Request:
     def wait_time(self, now: float) -> float:
         start = self.first_scheduled_time if self.first_scheduled_time is not None else now
         return start - (self.arrival_time or 0.0)
+
+    def check_fields(self) -> None:
+        """Raise `InvalidRequest` naming the first field a caller filled in wrong."""
+        rid, prompt = self.request_id, self.prompt_token_ids
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequest("request_id: must be a non-empty string")
+        if not isinstance(self.sampling, SamplingParams):
+            raise InvalidRequest("sampling: must be SamplingParams")
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidRequest("prompt_token_ids: must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and t >= 0 for t in prompt):
+            raise InvalidRequest("prompt_token_ids: every token id must be an integer >= 0")
+        if not isinstance(self.priority, int):
+            raise InvalidRequest("priority: must be an integer")
+
+    def prepare(
+        self, now: float, rng: random.Random, eos_token_ids: frozenset[int], max_model_len: int
+    ) -> None:
+        """Fill in what the scheduler derives once, when it accepts the request."""
+        if self.arrival_time is None:
+            self.arrival_time = now
+        self.all_token_ids = list(self.prompt_token_ids)
+        sampling = self.sampling
+        self.sampling_seed = sampling.seed if sampling.seed is not None else rng.getrandbits(63)
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids |= eos_token_ids
+        self.stop_ids = frozenset(stop_ids)
+        self.has_penalties = sampling.has_penalties
+        self.max_total_tokens = min(len(self.prompt_token_ids) + sampling.max_tokens, max_model_len)
+        self.state = RequestState.WAITING
+        self.queued_time = now
+
+    def computed(self, start: int, end: int) -> int:
+        """Its KV holds tokens `start:end` now; returns how many of them it computed before
+        (recompute after a preemption), counting a prefill chunk's tokens once."""
+        recomputed = 0
+        if not self.last_chunk_was_decode:
+            recomputed = max(0, min(end, self.max_computed_tokens) - start)
+            self.num_recomputed_tokens += recomputed
+            self.num_prefill_tokens += end - start - recomputed
+        if end > self.num_computed_tokens:
+            self.num_computed_tokens = end
+        if end > self.max_computed_tokens:
+            self.max_computed_tokens = end
+        return recomputed
+
+    def sampled(self, token_id: int, now: float, max_model_len: int) -> str | None:
+        """Append a sampled token; the finish reason it brings ("stop", "length") or None."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.num_decode_tokens += 1
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        if token_id in self.stop_ids:
+            return "stop"
+        if len(self.output_token_ids) >= self.sampling.max_tokens or (
+            len(self.all_token_ids) >= max_model_len
+        ):
+            return "length"
+        return None
+
+    def ended(self, reason: str, state: RequestState, now: float) -> RequestOutput:
+        """Record how it ended; the output that reports it, with its usage."""
+        self.state = state
+        self.finish_reason = reason
+        self.finish_time = now
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=[],
+            finished=True,
+            finish_reason=reason,
+            prompt_tokens=len(self.prompt_token_ids),
+            cached_tokens=self.num_cached_tokens,
+            preemptions=self.num_preemptions,
+            recomputed_tokens=self.num_recomputed_tokens,
+        )

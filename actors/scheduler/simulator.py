@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.actors.scheduler.core import Scheduler
+from sluice.actors.scheduler.scheduler import Scheduler
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
 from sluice.actors.scheduler.request import Request
 from sluice.actors.scheduler.scenario import Scenario, SimRequest, percentile
@@ -51,7 +51,7 @@ class SimulationResult:
         config = self.scheduler.config
         tenants = {}
         for name in sorted({t.tenant for t in self.requests.values()}):
-            t = self.scheduler.tenant_usage(name)
+            t = self.scheduler.ledger.tenant_usage(name)
             tenants[name] = {
                 "weight": config.tenant(name).weight,
                 "prefill_tokens": t.prefill_tokens,

@@ -14,8 +14,9 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator
 
-from sluice.actors.scheduler.policy import Policy, TenantState
+from sluice.actors.scheduler.policy import Policy
 from sluice.actors.scheduler.request import Request
+from sluice.actors.scheduler.tenant_ledger import TenantState
 
 _Entry = tuple  # (key, tie-breaker, epoch, request)
 

@@ -105,8 +105,8 @@ async def test_one_off_tenants_leave_no_scheduling_state_and_bounded_labels(null
         text = await trio.to_thread.run_sync(_metrics_text, handle.daemon.metrics_port)
     assert _tenant_labels(text) == {"default", "known", "(other)"}
     core = handle.daemon.scheduler.core
-    assert core.tenants == {} and core.waiting.tenants == frozenset()
-    assert all(core.usage[name].finished == 1 for name in names)  # the counters remain
+    assert core.ledger.tenants == {} and core.waiting.tenants == frozenset()
+    assert all(core.ledger.usage[name].finished == 1 for name in names)  # the counters remain
     stats = core.stats()
     assert set(stats["tenants"]) == {"default", "known"}
     assert stats["other_tenants"]["finished"] == len(names)

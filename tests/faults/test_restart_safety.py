@@ -7,7 +7,7 @@ import trio
 
 from sluice.actors.base import Inbox
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
-from sluice.actors.scheduler.actor import SchedulerActor
+from sluice.actors.scheduler_actor import SchedulerActor
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepPlan, StepResult
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
@@ -84,7 +84,7 @@ async def test_a_late_result_of_an_earlier_incarnations_plan_is_ignored() -> Non
         assert [(out.request_id, out.new_token_ids) for out in outputs] == [("new", [9])]
         actor.core.abort("new")
         actor.core.check_invariants()
-        assert actor.core.block_manager.num_used_blocks == 0
+        assert actor.core.kv_cache.num_used_blocks == 0
     finally:
         tokenizer.close()
         executor.close()

@@ -10,11 +10,11 @@ from sluice.actors.scheduler import RequestState
 def cancel_and_check(sched, rid, expected_state):
     request = sched.get_request(rid)
     assert request.state is expected_state
-    used_before = sched.block_manager.num_used_blocks
+    used_before = sched.kv_cache.num_used_blocks
     held = len(request.block_ids)
     out = sched.abort(rid)
     assert out.finished and out.finish_reason == "cancelled"
-    assert sched.block_manager.num_used_blocks == used_before - held
+    assert sched.kv_cache.num_used_blocks == used_before - held
     assert request.block_ids == [] and request.state is RequestState.CANCELLED
     assert rid not in sched.running and rid not in sched.paused and not request.in_queue
     sched.check_invariants()
@@ -35,7 +35,7 @@ def test_cancel_prefilling(make_sched):
     sched.add_request(req("a", prompt_len=40))
     step(sched)
     assert cancel_and_check(sched, "a", RequestState.PREFILLING) == 2
-    assert sched.block_manager.num_used_blocks == 0
+    assert sched.kv_cache.num_used_blocks == 0
 
 
 def test_cancel_decoding(make_sched):

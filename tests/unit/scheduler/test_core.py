@@ -119,7 +119,7 @@ def test_finish_reasons_release_blocks(make_sched, sampling, token, reason, coun
             break
     final = outputs[-1]
     assert (final.finish_reason, final.prompt_tokens, len(produced)) == (reason, 5, count)
-    assert sched.block_manager.num_used_blocks == 0
+    assert sched.kv_cache.num_used_blocks == 0
     assert not sched.has_unfinished()
     assert sched.get_request("a").state is RequestState.FINISHED
 
@@ -137,10 +137,10 @@ def test_abort_frees_blocks_immediately_and_reports_usage(make_sched):
     sched = make_sched(block_size=4)
     sched.add_request(req("a", prompt_len=9, max_tokens=10))
     step(sched)
-    assert sched.block_manager.num_used_blocks == 3
+    assert sched.kv_cache.num_used_blocks == 3
     out = sched.abort("a")
     assert out.finished and out.finish_reason == "cancelled" and out.prompt_tokens == 9
-    assert sched.block_manager.num_used_blocks == 0
+    assert sched.kv_cache.num_used_blocks == 0
     assert sched.abort("a") is None and sched.abort("nope") is None
     sched.check_invariants()
 
@@ -151,7 +151,7 @@ def test_finish_from_the_engine_ends_with_stop(make_sched):
     step(sched)
     out = sched.finish("a")
     assert out.finish_reason == "stop" and sched.get_request("a").state is RequestState.FINISHED
-    assert sched.block_manager.num_used_blocks == 0
+    assert sched.kv_cache.num_used_blocks == 0
 
 
 def test_result_for_an_aborted_request_is_ignored(make_sched):

@@ -22,7 +22,7 @@ def test_second_request_with_shared_prefix_reuses_cached_blocks(make_sched):
     shared = list(range(100, 112))  # three full blocks
     sched.add_request(Request("a", shared + [1, 2], SamplingParams(max_tokens=2)))
     run_to_end(sched)
-    assert sched.block_manager.num_cached_blocks >= 3
+    assert sched.kv_cache.num_cached_blocks >= 3
     sched.add_request(Request("b", shared + [3, 4, 5], SamplingParams(max_tokens=2)))
     plan, _ = step(sched)
     (seq,) = plan.seqs
@@ -54,9 +54,9 @@ def test_running_requests_share_prefix_blocks(make_sched):
     step(sched)
     a, b = sched.get_request("a"), sched.get_request("b")
     assert a.block_ids[:2] == b.block_ids[:2]
-    assert sched.block_manager.ref_count(a.block_ids[0]) == 2
+    assert sched.kv_cache.ref_count(a.block_ids[0]) == 2
     sched.abort("a")
-    assert sched.block_manager.ref_count(b.block_ids[0]) == 1
+    assert sched.kv_cache.ref_count(b.block_ids[0]) == 1
     sched.check_invariants()
 
 
@@ -68,7 +68,7 @@ def test_prefix_caching_off_computes_everything(make_sched):
     sched.add_request(Request("b", list(prompt), SamplingParams(max_tokens=1)))
     plan, _ = step(sched)
     assert plan.seqs[0].start_pos == 0
-    assert sched.block_manager.num_cached_blocks == 0
+    assert sched.kv_cache.num_cached_blocks == 0
 
 
 def test_decode_out_of_kv_preempts_lowest_priority_then_latest(make_sched, clock):
@@ -85,7 +85,7 @@ def test_decode_out_of_kv_preempts_lowest_priority_then_latest(make_sched, clock
     sched.add_request(req("old", prompt_len=4, max_tokens=8, arrival=1.0, first=50))
     sched.add_request(req("new", prompt_len=4, max_tokens=8, arrival=2.0, first=90))
     step(sched)  # 2 blocks each: the pool is full
-    assert sched.block_manager.num_available_blocks == 0
+    assert sched.kv_cache.num_available_blocks == 0
     step(sched)  # everyone needs a third block for position 3
     states = {rid: sched.get_request(rid).state for rid in ("vip", "old", "new")}
     assert states["new"] is RequestState.PREEMPTED
@@ -131,9 +131,9 @@ def test_preempted_request_recomputes_and_keeps_its_tokens(make_sched):
     assert len(tokens["a"]) == 6 and len(tokens["b"]) == 6
     assert b.output_token_ids == tokens["b"]
     assert b.num_recomputed_tokens > 0
-    assert sched.usage["t"].recomputed_tokens == b.num_recomputed_tokens
-    assert sched.usage["t"].preemptions == b.num_preemptions
-    assert sched.block_manager.num_used_blocks == 0
+    assert sched.ledger.usage["t"].recomputed_tokens == b.num_recomputed_tokens
+    assert sched.ledger.usage["t"].preemptions == b.num_preemptions
+    assert sched.kv_cache.num_used_blocks == 0
 
 
 def test_high_watermark_stops_admission_until_below_low(make_sched):
@@ -200,7 +200,7 @@ def test_requeue_all_recomputes_everyone_keeping_generated_tokens(make_sched):
     sched.pause("c")
     requeued = sched.requeue_all()
     assert sorted(requeued) == ["a", "b", "c"]
-    assert sched.block_manager.num_used_blocks == 0 and sched.block_manager.num_cached_blocks == 0
+    assert sched.kv_cache.num_used_blocks == 0 and sched.kv_cache.num_cached_blocks == 0
     sched.check_invariants()
     a = sched.get_request("a")
     assert a.state is RequestState.PREEMPTED and a.output_token_ids == [7, 7, 7]
@@ -210,7 +210,7 @@ def test_requeue_all_recomputes_everyone_keeping_generated_tokens(make_sched):
     sched.resume("c")
     assert sched.get_request("c").state is RequestState.PREEMPTED
     run_to_end(sched)
-    assert sched.block_manager.num_used_blocks == 0
+    assert sched.kv_cache.num_used_blocks == 0
 
 
 def test_kv_block_seconds_are_charged_to_request_and_tenant(make_sched, clock):
@@ -222,7 +222,7 @@ def test_kv_block_seconds_are_charged_to_request_and_tenant(make_sched, clock):
     clock.now = 15.0
     sched.abort("a")
     assert sched.get_request("a").kv_block_seconds == 2 * 10.0 + 3 * 5.0
-    assert sched.usage["t"].kv_block_seconds == 35.0
+    assert sched.ledger.usage["t"].kv_block_seconds == 35.0
 
 
 def test_last_step_reports_the_batch_composition(make_sched):

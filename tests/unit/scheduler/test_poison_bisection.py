@@ -56,7 +56,7 @@ def test_only_the_poison_request_fails_and_its_batch_finishes(make_sched):
     assert len(lost) <= 1 + 2 + 3
     assert [s.request_id for s in lost[-1].seqs] == ["bad"]
     assert sched.bisection.suspects == {} and sched.bisection.solo_losses == {}
-    assert sched.block_manager.num_used_blocks == 0
+    assert sched.kv_cache.num_used_blocks == 0
 
 
 def test_a_lone_poison_request_fails_after_max_losses(make_sched):

@@ -78,10 +78,10 @@ def test_fair_newcomer_starts_at_the_current_minimum(make_sched):
         sched.add_request(req(f"a{i}", prompt_len=8, max_tokens=1, tenant="a", first=10 * i))
     for _ in range(3):
         step(sched)
-    a_time = sched.tenants["a"].virtual_time
+    a_time = sched.ledger.tenants["a"].virtual_time
     assert a_time > 0
     sched.add_request(req("b0", prompt_len=8, max_tokens=1, tenant="b", first=900))
-    assert sched.tenants["b"].virtual_time == a_time
+    assert sched.ledger.tenants["b"].virtual_time == a_time
     # b gets no credit for having been idle: it alternates with a instead of running alone
     order = admitted_order(sched, 2)
     assert sorted(order) == ["a3", "b0"]
@@ -118,4 +118,4 @@ def test_tenant_limits_can_change_at_run_time(make_sched):
     step(sched)
     assert sched.stats()["tenants"]["t"]["weight"] == 4.0
     # service is charged at the new weight: 8 prompt + 1 output tokens over weight 4
-    assert sched.tenants["t"].virtual_time == 9 / 4.0
+    assert sched.ledger.tenants["t"].virtual_time == 9 / 4.0

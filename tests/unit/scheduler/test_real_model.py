@@ -44,13 +44,13 @@ def test_small_pool_preempts_yet_every_request_gets_the_ample_pool_tokens(
         tight.scheduler.check_invariants()
     got = [tight.scheduler.get_request(i).output_token_ids for i in ids]
     assert got == [c.token_ids for c in expected]
-    usage = tight.scheduler.usage.values()  # the tenants are idle: only their usage is kept
+    usage = tight.scheduler.ledger.usage.values()  # the tenants are idle: only their usage is kept
     preemptions = sum(t.preemptions for t in usage)
     recomputed = sum(t.recomputed_tokens for t in usage)
     assert preemptions > 0 and recomputed > 0
     assert sum(done[i].usage["preemptions"] for i in ids) == preemptions
     assert sum(done[i].usage["recomputed_tokens"] for i in ids) == recomputed
-    assert tight.scheduler.block_manager.num_used_blocks == 0
+    assert tight.scheduler.kv_cache.num_used_blocks == 0
 
 
 @pytest.mark.slow

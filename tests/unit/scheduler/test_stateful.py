@@ -117,17 +117,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), how=st.sampled_from(["abort", "finish"]))
     def end_one(self, data, how):
         rid = data.draw(st.sampled_from(sorted(self.live)))
-        used = self.sched.block_manager.num_used_blocks
+        used = self.sched.kv_cache.num_used_blocks
         shared = self._blocks_shared_with_others(rid)
         held = len(self.sched.get_request(rid).block_ids)
         out = getattr(self.sched, how)(rid)
         assert out is not None and out.finished
-        assert self.sched.block_manager.num_used_blocks == used - (held - shared)
+        assert self.sched.kv_cache.num_used_blocks == used - (held - shared)
         self._record([out])
 
     def _blocks_shared_with_others(self, rid):
         blocks = set(self.sched.get_request(rid).block_ids)
-        return sum(1 for b in blocks if self.sched.block_manager.ref_count(b) > 1)
+        return sum(1 for b in blocks if self.sched.kv_cache.ref_count(b) > 1)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -141,7 +141,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def worker_lost(self):
         self.sched.requeue_all()
-        assert self.sched.block_manager.num_used_blocks == 0
+        assert self.sched.kv_cache.num_used_blocks == 0
 
     @invariant()
     def consistent(self):
@@ -165,7 +165,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.sched.has_unfinished(), "requests never finished"
         assert all(count == 1 for count in self.ended.values())
         assert len(self.ended) == self.serial - self.sched.num_rejected
-        assert self.sched.block_manager.num_used_blocks == 0
+        assert self.sched.kv_cache.num_used_blocks == 0
 
 
 SchedulerMachine.TestCase.settings = settings(

@@ -44,7 +44,7 @@ def test_closed_tenants_reject_a_name_nobody_created(make_sched):
         sched.add_request(req("a", tenant="heavy"))
     assert caught.value.code == "invalid"
     # an invented name leaves nothing behind in the tenant tables
-    assert "heavy" not in sched.usage and "heavy" not in sched.tenants
+    assert "heavy" not in sched.ledger.usage and "heavy" not in sched.ledger.tenants
     sched.add_request(req("b", tenant="batch"))
     sched.add_request(req("c", first=50))  # "default" always exists
     run_to_end(sched)
@@ -68,7 +68,7 @@ def test_an_operator_created_tenant_is_accepted(make_sched):
     sched.add_request(req("b", tenant="night"))
     (out,) = [o for o in run_to_end(sched) if o.finished]
     assert out.finish_reason == "length"
-    assert sched.usage["night"].finished == 1
+    assert sched.ledger.usage["night"].finished == 1
     sched.check_invariants()
 
 
@@ -76,7 +76,7 @@ def test_open_tenants_accept_any_name(make_sched):
     sched = make_sched(open_tenants=True)
     sched.add_request(req("a", tenant="anyone"))
     run_to_end(sched)
-    assert sched.usage["anyone"].finished == 1
+    assert sched.ledger.usage["anyone"].finished == 1
     sched.check_invariants()
 
 
@@ -89,7 +89,7 @@ def test_the_same_prompt_from_another_tenant_gets_no_cache_hit(make_sched):
     assert cached_tokens_of(sched, "b1", "beta") == 0  # would reveal alpha's prompt otherwise
     assert cached_tokens_of(sched, "a2", "alpha") == 12  # the same tenant still hits
     assert cached_tokens_of(sched, "b2", "beta") == 12
-    assert sched.block_manager.num_used_blocks == 0
+    assert sched.kv_cache.num_used_blocks == 0
 
 
 def test_tenants_that_opt_in_share_cache_hits(make_sched):
@@ -143,7 +143,7 @@ def test_a_tenant_without_its_own_cap_gets_the_default_queue_cap(make_sched):
         sched.add_request(req(f"u{i}", tenant="stranger", first=100 * i))
     with pytest.raises(Quota, match=r"^quota: tenant: 'stranger' already has 3 requests queued"):
         sched.add_request(req("u3", tenant="stranger", first=900))
-    assert sched.tenant_usage("stranger").rejected == 1
+    assert sched.ledger.tenant_usage("stranger").rejected == 1
     for i in range(5):  # its own max_queued wins over the default
         sched.add_request(req(f"b{i}", tenant="big", first=2000 + 100 * i))
     with pytest.raises(Quota):
@@ -163,10 +163,10 @@ def test_many_one_off_tenants_leave_no_scheduling_state_but_keep_their_usage(mak
             sched.add_request(req(f"r-{name}", prompt_len=3, max_tokens=1, tenant=name))
         run_to_end(sched)
     sched.check_invariants()
-    assert sched.tenants == {}  # no per-tenant scheduling state is left
+    assert sched.ledger.tenants == {}  # no per-tenant scheduling state is left
     assert sched.waiting.tenants == frozenset()  # nor wait-queue heaps
-    assert len(sched.usage) == len(names)  # while every tenant's usage is kept
-    assert all(sched.usage[n].finished == 1 and sched.usage[n].prefill_tokens == 3 for n in names)
+    assert len(sched.ledger.usage) == len(names)  # while every tenant's usage is kept
+    assert all(sched.ledger.usage[n].finished == 1 and sched.ledger.usage[n].prefill_tokens == 3 for n in names)
     stats = sched.stats()
     assert set(stats["tenants"]) == {"default"}  # snapshots stay bounded
     assert stats["other_tenants"]["finished"] == len(names)
@@ -181,13 +181,13 @@ def test_a_returning_tenant_starts_at_the_current_minimum(make_sched):
     sched = make_sched(policy="fair", max_prefilling=1, max_running=1, max_wait=None)
     sched.add_request(req("a0", tenant="a", max_tokens=1))
     run_to_end(sched)
-    assert "a" not in sched.tenants  # idle: its virtual counter is gone
+    assert "a" not in sched.ledger.tenants  # idle: its virtual counter is gone
     sched.add_request(req("b0", tenant="b", max_tokens=1, first=200))
     run_to_end(sched)
     sched.add_request(req("b1", tenant="b", max_tokens=5, first=300))
     step(sched)
     sched.add_request(req("a1", tenant="a", max_tokens=1, first=400))
-    assert sched.tenants["a"].virtual_time == sched.tenants["b"].virtual_time
+    assert sched.ledger.tenants["a"].virtual_time == sched.ledger.tenants["b"].virtual_time
     run_to_end(sched)
     sched.check_invariants()
 
@@ -223,6 +223,6 @@ def test_usage_adds_up_over_active_and_idle_spells_without_double_counting(make_
     other = stats["other_tenants"]
     assert other["finished"] == 3 and other["prefill_tokens"] == 15
     assert stats["tenants"]["known"]["finished"] == 3  # configured: its own entry, not summed
-    assert sched.tenant_usage("visitor") == sched.usage["visitor"]
-    assert sched.usage["visitor"].decode_tokens == 6
+    assert sched.ledger.tenant_usage("visitor") == sched.ledger.usage["visitor"]
+    assert sched.ledger.usage["visitor"].decode_tokens == 6
     sched.check_invariants()

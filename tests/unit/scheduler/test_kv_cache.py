@@ -1,14 +1,14 @@
-"""The block pool's bookkeeping: allocation, reference counts, the prefix cache's LRU."""
+"""The KV cache manager's pool: allocation, reference counts, the prefix cache's LRU."""
 
 from __future__ import annotations
 
 import pytest
 
-from sluice.actors.scheduler.block_manager import BlockManager, hash_block
+from sluice.actors.scheduler.kv_cache import KVCacheManager, hash_block
 
 
 def test_allocate_and_free_return_every_block():
-    bm = BlockManager(8, 4)
+    bm = KVCacheManager(8, 4)
     first = bm.allocate(3)
     second = bm.allocate(5)
     assert sorted(first + second) == list(range(8))
@@ -23,7 +23,7 @@ def test_allocate_and_free_return_every_block():
 
 
 def test_double_free_is_caught():
-    bm = BlockManager(4, 4)
+    bm = KVCacheManager(4, 4)
     blocks = bm.allocate(1)
     bm.free(blocks)
     with pytest.raises(AssertionError, match="not referenced"):
@@ -31,7 +31,7 @@ def test_double_free_is_caught():
 
 
 def test_shared_block_stays_referenced_until_last_owner_frees_it():
-    bm = BlockManager(4, 4)
+    bm = KVCacheManager(4, 4)
     (block,) = bm.allocate(1)
     key = hash_block(None, [1, 2, 3, 4])
     bm.register(block, key)
@@ -46,7 +46,7 @@ def test_shared_block_stays_referenced_until_last_owner_frees_it():
 
 
 def test_freed_cached_blocks_are_reused_by_lookup_and_evicted_least_recent_first():
-    bm = BlockManager(3, 2)
+    bm = KVCacheManager(3, 2)
     blocks = bm.allocate(3)
     keys = []
     parent = None
@@ -71,7 +71,7 @@ def test_hash_chain_depends_on_every_earlier_block():
 
 
 def test_duplicate_content_keeps_first_registration():
-    bm = BlockManager(2, 2)
+    bm = KVCacheManager(2, 2)
     x, y = bm.allocate(2)
     key = hash_block(None, [5, 6])
     bm.register(x, key)
@@ -85,7 +85,7 @@ def test_duplicate_content_keeps_first_registration():
 
 
 def test_reset_forgets_cache_and_references():
-    bm = BlockManager(4, 2)
+    bm = KVCacheManager(4, 2)
     blocks = bm.allocate(2)
     bm.register(blocks[0], hash_block(None, [1, 1]))
     bm.reset()
@@ -95,7 +95,7 @@ def test_reset_forgets_cache_and_references():
 
 
 def test_consistency_check_reports_a_lost_block():
-    bm = BlockManager(4, 2)
+    bm = KVCacheManager(4, 2)
     bm._free.pop()  # simulate a bookkeeping bug
     with pytest.raises(AssertionError, match="!= total"):
         bm.check_consistency()

@@ -22,7 +22,10 @@ Steps wait while the actors downstream (tokenizer, gateway) hold more than
 is what keeps a daemon that produces tokens faster than it can send them from queueing
 without bound; the decode loop slows to the speed of delivery instead.
 
-Status queries and operator commands are answered by `operations.py`.
+Status queries and operator commands are answered here with the plain functions of
+`scheduler_commands.py`, which take the core and return the reply and the requests they ended.
+The core itself (`sluice.actors.scheduler`) has no I/O: in the daemon this actor is the trio
+shell around it, as `Engine` is its synchronous driver in-process.
 """
 
 from __future__ import annotations
@@ -30,14 +33,15 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+
 import structlog
 import trio
 
+from sluice.actors import scheduler_commands as commands
 from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.limits import Limits, clip
-from sluice.actors.scheduler.latency import LatencyLog
-from sluice.actors.scheduler.operations import OperatorCommands
 from sluice.actors.scheduler import Rejected, Request, Scheduler
+from sluice.actors.scheduler.latency import LatencyLog
 from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult
 from sluice.ipc import messages as m
 
@@ -56,7 +60,7 @@ _TOMBSTONES = 4096  # released-before-admitted ids remembered, oldest forgotten 
 EPOCH_BITS = 32  # the step id sent to the executor: epoch << EPOCH_BITS | the core's step id
 
 
-class SchedulerActor(OperatorCommands, Actor):
+class SchedulerActor(Actor):
     name = "scheduler"
 
     def __init__(
@@ -227,7 +231,7 @@ class SchedulerActor(OperatorCommands, Actor):
         self.worker_ready = False
         self.worker_state = "restarting"
         lost, self.in_flight = self.in_flight, None
-        leaked = self.unowned_references()
+        leaked = commands.unowned_references(self.core)
         if leaked:  # the pool is reset below, which would hide them from a later reconcile
             log.error("worker lost with KV blocks owned by no request",
                       blocks=[block for block, _ in leaked])
@@ -325,8 +329,73 @@ class SchedulerActor(OperatorCommands, Actor):
 
     # -- operations ---------------------------------------------------------------------------
 
+    async def on_operate(self, msg: m.Operate) -> None:
+        command = msg.command
+        if isinstance(command, m.CancelCommand):
+            reply, outputs = commands.cancel(self.core, command.request_id)
+            if outputs:
+                self._emit(outputs)
+                self._maybe_step()
+        elif isinstance(command, m.DrainCommand):
+            self.draining = True
+            reply = m.CommandReply("drain", True, "draining: new requests are rejected")
+        elif isinstance(command, m.ReconcileCommand):
+            self.between_steps_do(lambda: self._answer_reconcile(msg))
+            return
+        elif isinstance(command, m.TenantSet):
+            reply = commands.set_tenant(self.core, command)
+            if reply.ok:  # new limits may let a waiting request in
+                self._maybe_step()
+        elif isinstance(command, m.InjectFault) and command.kind == "leak_block":
+            reply = commands.leak_block(self.core)
+        elif isinstance(command, m.InjectFault) and command.kind == "crash_scheduler":
+            # answer first: the control actor must not wait for a reply that never comes
+            self.askers.put(msg.reply_to, m.Reply(msg.token, m.CommandReply(
+                "fault", True, "the scheduler crashes now")))
+            raise RuntimeError("injected scheduler fault")
+        elif command == "release_all":
+            reply, outputs = commands.release_all(self.core)
+            self._emit(outputs)
+        else:
+            reply = m.CommandReply("unknown", False, f"the scheduler cannot do {command!r}")
+        self.askers.put(msg.reply_to, m.Reply(msg.token, reply))
+
+    def _answer_reconcile(self, msg: m.Operate) -> None:
+        findings, outputs = commands.reconcile(self.core, msg.connections)
+        self._emit(outputs)
+        self._maybe_step()
+        self.askers.put(msg.reply_to, m.Reply(msg.token, commands.reconcile_reply(findings)))
+
+    async def on_ask(self, msg: m.Ask) -> None:
+        """Status for `sluice status` and the daemon, a snapshot for the console; the
+        consistency check waits for the gap between two steps."""
+        if isinstance(msg.query, m.Subscribe):
+            answer = m.ControlSnapshot(0, self.report(), self.detail())
+        elif getattr(msg.query, "check_invariants", False):
+            self.between_steps_do(lambda: self.askers.put(
+                msg.reply_to, m.Reply(msg.token, m.Snapshot(self.report(check=True)))))
+            return
+        else:
+            answer = m.Snapshot(self.report())
+        self.askers.put(msg.reply_to, m.Reply(msg.token, answer))
+
+    def report(self, *, check: bool = False) -> m.StatusReport:
+        return commands.status_report(self.core, worker=self._worker_status(),
+                                      counters=self.counters, draining=self.draining, check=check)
+
+    def detail(self) -> dict:
+        return commands.console_detail(self.core, latency=self.latency.summary(self.core.clock()),
+                                       worker=self._worker_status(), draining=self.draining)
+
+    def _worker_status(self) -> m.WorkerStatus:
+        return m.WorkerStatus(self.worker_state, self.worker_restarts, self.worker_pid,
+                              self.worker_failure, *self.worker_dtypes)
+
     async def on_drain(self, msg: m.Drain) -> None:
         self.draining = True
+
+    async def on_undrain(self, msg: m.Undrain) -> None:
+        self.draining = False
 
     def close(self) -> None:
         super().close()

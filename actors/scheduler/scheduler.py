@@ -1,0 +1,405 @@
+"""The scheduler: the queues, and every change of a request's state.
+
+Synchronous and free of I/O: `schedule() -> StepPlan`, the executor runs it, `update(plan,
+result) -> [RequestOutput]`. One rule covers every kind of work: each step a request's
+computed tokens catch up with its known tokens (prompt + generated), so a prefill chunk, a
+prefix-cache hit, a recompute after preemption and a decode differ only in their numbers.
+
+The scheduler decides every transition: add, admit, grow, preempt, pause, resume, requeue,
+end. Its queues are kept by the request table (`request_table.py`), which moves a request
+between places; blocks and the prefix cache belong to the KV cache manager (`kv_cache.py`),
+tenant limits and accounting to the tenant ledger (`tenant_ledger.py`), the iteration being
+planned to a plan builder (`plan_builder.py`), who goes first to the policy and the wait
+queue, and after a lost worker the suspects to the bisection (`bisection.py`). Every end
+state releases every block the request holds in the same call: that rule is `_end`'s.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sluice.actors.scheduler.bisection import PoisonBisection
+from sluice.actors.scheduler.config import SchedulerConfig, TenantConfig
+from sluice.actors.scheduler.errors import InvalidRequest, Overloaded, TooLong
+from sluice.actors.scheduler.invariants import check_invariants
+from sluice.actors.scheduler.kv_cache import KVCacheManager
+from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult
+from sluice.actors.scheduler.plan_builder import PlanBuilder
+from sluice.actors.scheduler.policy import make_policy, preemption_key
+from sluice.actors.scheduler.request import FAILED_REASONS, Request, RequestState
+from sluice.actors.scheduler.request_table import RequestTable
+from sluice.actors.scheduler.tenant_ledger import TenantLedger
+
+PREFILLING, DECODING, PAUSED = RequestState.PREFILLING, RequestState.DECODING, RequestState.PAUSED
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_model_len: int = 2048,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        config = config or SchedulerConfig()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.kv_cache = KVCacheManager(
+            config.kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            high_watermark=config.kv_high_watermark, low_watermark=config.kv_low_watermark,
+        )
+        self.policy = make_policy(config)
+        self.ledger = TenantLedger(config, self.policy.on_tenant_active)
+        self.table = table = RequestTable(self.policy, config.aging_seconds, self.ledger)
+        # the table's places, to read (every move goes through the table)
+        self.requests, self.waiting, self.running = table.requests, table.waiting, table.running
+        self.prefilling, self.paused = table.prefilling, table.paused
+        self.recently_ended = table.recently_ended
+        self.num_preemptions = 0
+        self.num_rejected = 0
+        self.last_step: dict[str, float] = {}  # composition of the latest plan, for snapshots
+        self.bisection = PoisonBisection()  # who may have killed the worker, and who runs next
+        self._step_id = 0
+        self._rng = random.Random(config.seed)
+        self._plan: PlanBuilder | None = None  # while schedule() runs
+        # outputs of requests that ended while planning (a pool too small for one request)
+        self._pending_outputs: list[RequestOutput] = []
+        self._last_schedule_time: float | None = None
+        self._iteration_seconds = 0.0  # between the last two schedule() calls, for aging
+
+    @property
+    def config(self) -> SchedulerConfig:
+        """The settings, with the tenant table as the ledger has it now."""
+        return self.ledger.config
+
+    # -- requests in and out ----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise `Rejected` (invalid, too_long, quota, overloaded)."""
+        try:
+            self._validate(request)
+        except Exception:
+            self.num_rejected += 1
+            self.ledger.count_rejection(request.tenant)
+            raise
+        request.prepare(self.clock(), self._rng, self.eos_token_ids, self.max_model_len)
+        self.table.add(request)
+
+    def _validate(self, request: Request) -> None:
+        request.check_fields()
+        if request.request_id in self.requests:
+            raise InvalidRequest(f"request_id: {request.request_id!r} is already in use")
+        self.ledger.check_exists(request.tenant)
+        n = len(request.prompt_token_ids)
+        if n + 1 > self.max_model_len:
+            raise TooLong(f"prompt_token_ids: {n} tokens leave no room to generate "
+                          f"within max_model_len {self.max_model_len}")
+        self.kv_cache.check_fits(n, min(n + request.sampling.max_tokens, self.max_model_len))
+        self.ledger.check_quota(request)
+        if len(self.waiting) >= self.config.max_queued:
+            raise Overloaded(f"queue: {len(self.waiting)} requests are already waiting")
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
+        """End a request that did not finish by itself; None if it is unknown or already ended."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        state = RequestState.FAILED if reason in FAILED_REASONS else RequestState.CANCELLED
+        return self._end(request, reason, state)
+
+    def finish(self, request_id: str, reason: str = "stop") -> RequestOutput | None:
+        """End a request that the engine found complete (a stop string matched)."""
+        request = self.requests.get(request_id)
+        return None if request is None else self._end(request, reason, RequestState.FINISHED)
+
+    def pause(self, request_id: str) -> None:
+        """Stop stepping a request (its client is slow); KV it holds is kept."""
+        request = self.requests.get(request_id)
+        if request is not None and request.state is not PAUSED:
+            self.table.pause(request)
+
+    def resume(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None and request.state is PAUSED:
+            self.table.resume(request)
+
+    def requeue_all(self) -> list[str]:
+        """The KV pool is gone: everyone holding KV goes back to the queue to recompute."""
+        requeued = []
+        for request in [*self.running.values(), *self.paused.values()]:
+            if not request.block_ids:
+                continue
+            requeued.append(request.request_id)
+            self._drop_kv(request, free=False)
+            self.table.requeue(request)
+        self.kv_cache.reset()
+        return requeued
+
+    def charge_lost_step(self, plan: StepPlan | None, max_losses: int) -> list[RequestOutput]:
+        """The worker died during `plan` (after `requeue_all`): suspect its requests.
+
+        They are bisected in later plans (see `bisection.py`); a request that was alone in
+        `max_losses` lost steps ends with "error", so it cannot hold the daemon in a restart
+        loop, while the requests batched with it go on.
+        """
+        if plan is None:
+            return []
+        failed = self.bisection.step_lost(plan, self.requests, max_losses)
+        return [self._end(self.requests[rid], "error", RequestState.FAILED) for rid in failed]
+
+    def configure_tenant(self, name: str, tenant: TenantConfig) -> None:
+        """Change a tenant's weight or limits at run time (operator command, config reload)."""
+        self.ledger.configure(name, tenant)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """A live request, or one of the recently ended ones."""
+        return self.table.get(request_id)
+
+    # -- planning ---------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Plan one iteration: decode tokens and prefill chunks within the token budget."""
+        now = self.clock()
+        if self._last_schedule_time is not None:
+            self._iteration_seconds = now - self._last_schedule_time
+        self._last_schedule_time = now
+        self._step_id += 1
+        plan = self._plan = PlanBuilder(
+            self._step_id, self.config, self.clock,
+            probe=self.bisection.probe_group(self.requests), preemptions=self.num_preemptions,
+        )
+        self._plan_in_order(plan, now)
+        if plan.probe is not None and not plan.seqs:
+            # the suspects cannot run now (no KV for them): let the others run and free some
+            plan.probe = None
+            self._plan_in_order(plan, now)
+        self._plan = None
+        self.last_step = plan.composition()
+        return plan.build()
+
+    def _plan_in_order(self, plan: PlanBuilder, now: float) -> None:
+        cfg = self.config
+        if cfg.order == "decode_first":
+            self._schedule_decodes(plan)
+            self._schedule_prefills(plan, now)
+        else:
+            pending_decodes = len(self.running) - len(self.prefilling)
+            plan.hold_back(min(cfg.decode_share * cfg.token_budget,
+                               cfg.decode_weight * pending_decodes))
+            self._schedule_prefills(plan, now)
+            plan.release()
+            self._schedule_decodes(plan)
+
+    def _schedule_decodes(self, plan: PlanBuilder) -> None:
+        capacity = self.kv_cache.block_size
+        candidates = list(self.running.values())
+        decodes = len(candidates) - len(self.prefilling)
+        if candidates and plan.decode_weight * decodes > plan.budget:
+            # more decodes than budget: rotate who goes first so no stream stalls for good
+            k = plan.step_id % len(candidates)
+            candidates = candidates[k:] + candidates[:k]
+        for request in candidates:
+            if not plan.can_decode:
+                break
+            if request.state is not DECODING or not plan.may_plan(request, self.bisection.suspects):
+                continue
+            start = request.num_computed_tokens
+            if start >= len(request.all_token_ids):  # the toy mode's first decode
+                start -= 1
+            if start + 1 > len(request.block_ids) * capacity:
+                if not self._grow(request, 1, may_preempt_self=True):
+                    continue
+            plan.add(request, start, 1, decode=True)
+
+    def _schedule_prefills(self, plan: PlanBuilder, now: float) -> None:
+        cfg = self.config
+        if not plan.can_prefill:
+            return
+        for request in self.policy.prefill_order(list(self.prefilling.values()),
+                                                 self.ledger.tenants):
+            if not plan.can_prefill:
+                return
+            if (request.state is PREFILLING and request.request_id not in plan
+                    and plan.may_plan(request, self.bisection.suspects)):
+                self._schedule_chunk(plan, request, may_preempt=True)
+        while (
+            len(self.prefilling) < cfg.max_prefilling
+            and len(self.running) < cfg.max_running
+            and plan.can_prefill
+            and len(self.waiting)
+            # a step that had to preempt has no KV to spare for newcomers
+            and self.num_preemptions == plan.preemptions_at_start
+            and self.kv_cache.may_admit(bool(self.running))
+        ):
+            if plan.probe is not None:
+                request = plan.first_queued_suspect(self.requests)
+            else:
+                request = self.waiting.select(now, self.ledger.tenants, self.ledger.may_run,
+                                              self._iteration_seconds)
+                if request is not None and not plan.may_plan(request, self.bisection.suspects):
+                    return  # a suspect is next in line: it waits for its probe
+            if request is None or not self._admit(plan, request):
+                return
+
+    def _admit(self, plan: PlanBuilder, request: Request) -> bool:
+        """Move the policy's pick from the queue into the running set with its first chunk."""
+        kv, reserve = self.kv_cache, self.config.admission == "reserve"
+        if reserve and not kv.can_reserve(request):
+            return False
+        hits = kv.acquire_prefix(request, self.ledger.tenants[request.tenant].config)
+        start = len(hits) * kv.block_size
+        if not kv.can_allocate(kv.blocks_for(start + 1) - len(hits)):
+            kv.free(hits)
+            return False
+        self.table.start_prefill(request)
+        if reserve:
+            kv.reserve(request)
+        request.kv_since = self.clock()
+        request.block_ids = hits
+        request.num_computed_tokens = start
+        if request.max_computed_tokens == 0:
+            request.num_cached_tokens = start
+            self.ledger.charge_cached(request.tenant, start)
+        self._schedule_chunk(plan, request, may_preempt=False)
+        return True
+
+    def _schedule_chunk(self, plan: PlanBuilder, request: Request, *, may_preempt: bool) -> None:
+        kv = self.kv_cache
+        start = request.num_computed_tokens
+        n = min(len(request.all_token_ids) - start, self.config.max_prefill_chunk,
+                plan.prefill_room)
+        if n <= 0:
+            return
+        missing = kv.blocks_for(start + n) - len(request.block_ids)
+        if missing > 0 and not kv.can_allocate(missing):
+            if not (may_preempt and self._grow(request, missing, may_preempt_self=False)):
+                # take what the pool has left rather than stall the whole chunk
+                fits = (len(request.block_ids) + kv.num_available_blocks) * kv.block_size - start
+                n = min(n, fits)
+                if n <= 0:
+                    return
+                missing = kv.blocks_for(start + n) - len(request.block_ids)
+                if missing > 0:
+                    self._take_blocks(request, missing)
+        elif missing > 0:
+            self._take_blocks(request, missing)
+        plan.add(request, start, n, decode=False)
+
+    def _grow(self, request: Request, num_blocks: int, *, may_preempt_self: bool) -> bool:
+        """Give `request` more blocks, preempting lower-ranked requests while the pool is short.
+
+        When `request` itself ranks lowest, a decode is preempted (`may_preempt_self`) and a
+        prefill simply waits; a request alone in a pool too small for it ends with "length".
+        """
+        while not self.kv_cache.can_allocate(num_blocks):
+            candidates = [r for r in (*self.running.values(), *self.paused.values())
+                          if r is not request and r.block_ids]
+            victim = max(candidates, key=preemption_key) if candidates else None
+            if victim is None or preemption_key(victim) < preemption_key(request):
+                if victim is None and may_preempt_self:
+                    self._pending_outputs.append(
+                        self._end(request, "length", RequestState.FINISHED))
+                elif may_preempt_self:
+                    self._preempt(request)
+                return False
+            self._preempt(victim)
+        self._take_blocks(request, num_blocks)
+        return True
+
+    def _take_blocks(self, request: Request, num_blocks: int) -> None:
+        self.ledger.charge_kv(request, self.clock())
+        self.kv_cache.grow(request, num_blocks)
+
+    # -- results ----------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Apply one executed step: advance computed tokens, append samples, end what is done."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        now = self.clock()
+        kv, ledger, tenants = self.kv_cache, self.ledger, self.ledger.tenants
+        sampled, step_id, size = result.sampled, plan.step_id, kv.block_size
+        for seq in plan.seqs:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.scheduled_step != step_id or not request.block_ids:
+                continue  # ended, preempted or requeued since it was planned
+            tenant = tenants[request.tenant]
+            start = seq.start_pos
+            end = start + len(seq.token_ids)
+            recomputed = request.computed(start, end)
+            if not request.last_chunk_was_decode:
+                ledger.charge_prefill(tenant, end - start - recomputed, recomputed)
+            if end // size > start // size:
+                kv.register_computed(request, start, end, tenant.config)
+            if not seq.sample:
+                if end >= len(request.all_token_ids):
+                    self.table.prefill_done(request, now)
+                continue
+            token = sampled.get(seq.request_id)
+            if token is None:
+                outputs.append(self._end(request, "error", RequestState.FAILED))
+                continue
+            self.table.prefill_done(request, now)
+            ledger.charge_decode(tenant)
+            reason = request.sampled(token.token_id, now, self.max_model_len)
+            if reason is not None:
+                output = self._end(request, reason, RequestState.FINISHED)
+                output.new_token_ids = [token.token_id]
+            else:
+                output = RequestOutput(request.request_id, [token.token_id])
+            if request.sampling.logprobs is not None:
+                output.logprobs = [token]
+            outputs.append(output)
+        self.bisection.step_done(plan, self.requests)
+        return outputs
+
+    # -- losing KV and ending -----------------------------------------------------------------
+    def _drop_kv(self, request: Request, *, free: bool = True) -> None:
+        """Release the request's blocks and forget what was computed into them."""
+        self.ledger.charge_kv(request, self.clock())
+        self.kv_cache.release(request, free=free)
+        request.num_computed_tokens = 0
+        if self._plan is not None:  # planned earlier in this very iteration: not any more
+            self._plan.undo(request)
+        request.scheduled_step = -1
+
+    def _preempt(self, request: Request) -> None:
+        """Release a running (or paused) request's KV; it recomputes when admitted again."""
+        self._drop_kv(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.ledger.charge_preemption(request.tenant)
+        self.table.requeue(request)
+
+    def _end(self, request: Request, reason: str, state: RequestState) -> RequestOutput:
+        """The only way out: release every block now, leave every table, report usage."""
+        computed = request.num_computed_tokens
+        self._drop_kv(request)
+        request.num_computed_tokens = computed  # kept for inspection of the ended request
+        self.table.remove(request, reason)
+        self.bisection.forget(request.request_id)
+        return request.ended(reason, state, self.clock())
+
+    # -- inspection -------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError describing every broken rule; call between steps."""
+        check_invariants(self.table, self.kv_cache, self.ledger)
+
+    def stats(self) -> dict[str, Any]:
+        """Queue lengths per state and tenant, KV numbers, preemptions and per-tenant service."""
+        queues, per_tenant = self.table.counts()
+        return {
+            "step": self._step_id,
+            "queues": queues,
+            "kv": self.kv_cache.stats(),
+            "last_step": dict(self.last_step),
+            "preemptions": self.num_preemptions,
+            "rejected": self.num_rejected,
+            "ended": dict(self.table.ended_by_reason),
+            "policy": self.config.policy,
+            **self.ledger.stats(per_tenant),
+        }

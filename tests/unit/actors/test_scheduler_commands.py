@@ -1,0 +1,103 @@
+"""Operator commands, reconcile and status as plain functions over the scheduler core: each
+returns its reply and the requests it ended, and leaves the core consistent. No trio here."""
+
+from __future__ import annotations
+
+from sluice.actors import scheduler_commands as commands
+from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig, TenantConfig
+from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
+from sluice.ipc import messages as m
+
+WORKER = m.WorkerStatus("ready", 2, 1234)
+CONNECTION = b"\x01\x02"
+
+
+def _core(**settings) -> Scheduler:
+    return Scheduler(SchedulerConfig(kv_blocks=32, block_size=4, **settings), max_model_len=256)
+
+
+def _running(core: Scheduler, *rids: str) -> None:
+    for i, rid in enumerate(rids):
+        core.add_request(Request(rid, list(range(10 * i + 1, 10 * i + 7)),
+                                 SamplingParams(max_tokens=50, temperature=0.0)))
+    plan = core.schedule()
+    core.update(plan, StepResult(plan.step_id, {s.request_id: SampledToken(3)
+                                                for s in plan.seqs if s.sample}))
+
+
+def test_cancel_ends_a_live_request_and_frees_its_blocks() -> None:
+    core = _core()
+    _running(core, "a")
+    reply, outputs = commands.cancel(core, "a")
+    assert reply.ok and reply.message == "cancelled a"
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "cancelled")]
+    assert core.kv_cache.num_used_blocks == 0
+    reply, outputs = commands.cancel(core, "a")
+    assert not reply.ok and outputs == [] and "no live request a" in reply.message
+    core.check_invariants()
+
+
+def test_release_all_cancels_everyone() -> None:
+    core = _core()
+    _running(core, "a", "b")
+    reply, outputs = commands.release_all(core)
+    assert reply.ok and "cancelled 2 requests" in reply.message
+    assert sorted(o.request_id for o in outputs) == ["a", "b"]
+    assert not core.has_unfinished() and core.kv_cache.num_used_blocks == 0
+
+
+def test_set_tenant_changes_only_the_fields_named_and_refuses_bad_values() -> None:
+    core = _core(tenants={"t": TenantConfig(weight=2.0, max_running=3)})
+    reply = commands.set_tenant(core, m.TenantSet("t", max_queued=5))
+    assert reply.ok
+    assert core.config.tenant("t") == TenantConfig(weight=2.0, max_running=3, max_queued=5)
+    reply = commands.set_tenant(core, m.TenantSet("t", weight=-1.0))
+    assert not reply.ok and "weight" in reply.message
+    assert core.config.tenant("t").weight == 2.0
+    assert commands.set_tenant(core, m.TenantSet("t", reset=True)).ok
+    assert core.config.tenant("t") == TenantConfig()
+
+
+def test_reconcile_frees_a_leaked_block_and_requests_of_gone_connections() -> None:
+    core = _core()
+    live, gone = CONNECTION.hex(), b"\x09\x09".hex()
+    _running(core, f"{live}/1", f"{gone}/1", "inproc-id")
+    assert commands.leak_block(core).ok
+    assert [extra for _, extra in commands.unowned_references(core)] == [1]
+    findings, outputs = commands.reconcile(core, frozenset({CONNECTION}))
+    assert [o.request_id for o in outputs] == [f"{gone}/1"]
+    assert len(findings) == 2 and "no live connection" in findings[0] and "freed" in findings[1]
+    assert set(core.requests) == {f"{live}/1", "inproc-id"}  # ids without a connection stay
+    assert commands.unowned_references(core) == []
+    core.check_invariants()
+    assert commands.reconcile(core, frozenset({CONNECTION})) == ([], [])
+    assert commands.reconcile_reply([]).message == "consistent: nothing to fix"
+    assert commands.reconcile_reply(findings).findings == tuple(findings)
+
+
+def test_status_report_counts_requests_and_reports_a_broken_invariant() -> None:
+    core = _core()
+    _running(core, "a", "b")
+    core.pause("b")
+    counters = {"accepted": 2, "finished": 0, "cancelled": 0, "rejected": 0}
+    report = commands.status_report(core, worker=WORKER, counters=counters, draining=True,
+                                    check=True)
+    assert report.state == "draining" and report.worker == WORKER
+    assert (report.requests.waiting, report.requests.running, report.requests.paused) == (0, 1, 1)
+    assert report.kv.used_blocks == core.kv_cache.num_used_blocks > 0
+    assert report.invariant_errors == () and report.counters.accepted == 2
+    core.kv_cache.allocate(1)  # a block nobody owns
+    broken = commands.status_report(core, worker=WORKER, counters=counters, draining=False,
+                                    check=True)
+    assert broken.state == "serving" and "owned by no live request" in broken.invariant_errors[0]
+
+
+def test_console_detail_lists_requests_with_plain_values() -> None:
+    core = _core()
+    _running(core, "a")
+    detail = commands.console_detail(core, latency={"ttft": {}}, worker=WORKER, draining=False)
+    [request] = detail["requests"]
+    assert request["id"] == "a" and request["state"] == "decoding" and request["blocks"] == 2
+    assert detail["worker"] == {"state": "ready", "restarts": 2, "pid": 1234, "failure": ""}
+    assert detail["latency"] == {"ttft": {}} and detail["draining"] is False
+    assert detail["kv"]["total_blocks"] == 32 and "default" in detail["tenants"]
