@@ -32,7 +32,7 @@ async def test_tokenizer_crash_fails_only_the_request_it_was_handling(null_daemo
             def explode(token_ids):
                 raise RuntimeError("injected detokenizer fault")
 
-            state.detok.push = explode
+            state.text.push = explode
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(read_slowly, victim)
                 texts = await read_slowly(survivor)
