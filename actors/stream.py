@@ -6,6 +6,12 @@ the buffer drains below the low watermark it sends `Resume`. A request paused lo
 `pause_timeout` is ended with `timeout`. A connection silent past the heartbeat timeout, or
 one the ROUTER can no longer reach, is gone: all its requests are cancelled and released.
 
+Everything it says about a request (`Encode`, then `Release`, `Pause`, `Resume`) goes to the
+Tokenizer, which ends a request it still holds or forwards the message to the Scheduler
+behind the request's `Admit`: one route, in order, so a cancel never overtakes its request.
+Credits stay here: they meter what this stream sends, and only the `Resume` they cause
+travels on.
+
 Buffered chunks are merged when sent, so one credit can carry several tokens. Terminal
 messages (`Finished`, `Error`, `Rejected`) never need a credit.
 
@@ -65,7 +71,6 @@ class Stream(Actor):
         codec: Codec,
         gateway: Outbox,
         tokenizer: Outbox,
-        scheduler: Outbox,
         limits: Limits = Limits(),
     ):
         super().__init__(f"stream-{connection.hex()}")
@@ -74,9 +79,7 @@ class Stream(Actor):
         self.limits = limits
         self.codec = codec
         self.gateway = gateway
-        self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self.limits = limits
+        self.tokenizer = tokenizer  # the one route of this stream's requests
         self.closed = False
         self.askers = Outboxes()  # drain's questions are answered here
 
@@ -153,7 +156,7 @@ class Stream(Actor):
         request = self.requests.get(msg.request_id)
         if request is not None and not request.ending:
             request.ending = True
-            self.scheduler.put(m.Release((request.daemon_id,), m.FinishReason.CANCELLED))
+            self.tokenizer.put(m.Release((request.daemon_id,), m.FinishReason.CANCELLED))
 
     async def on_heartbeat(self, msg: m.Heartbeat) -> None:
         self.last_heard = trio.current_time()
@@ -206,7 +209,7 @@ class Stream(Actor):
             self._send(m.Finished(request.client_id, m.FinishReason.ERROR))
         self.requests.clear()
         if rids:
-            self.scheduler.put(m.Release(rids, m.FinishReason.ERROR))
+            self.tokenizer.put(m.Release(rids, m.FinishReason.ERROR))
 
     def _close(self, why: str, *, release: bool = True) -> None:
         if self.closed:
@@ -215,7 +218,7 @@ class Stream(Actor):
         rids = tuple(r.daemon_id for r in self.requests.values())
         self.requests.clear()
         if release and rids:
-            self.scheduler.put(m.Release(rids, m.FinishReason.CANCELLED))
+            self.tokenizer.put(m.Release(rids, m.FinishReason.CANCELLED))
         log.info("client gone", connection=clip(self.connection.hex(), self.limits), why=why,
                  released=len(rids))
         self.gateway.put(m.StreamClosed(self.connection))
@@ -240,7 +243,7 @@ class Stream(Actor):
                     continue
                 request.ending = True
                 if request.finished is None:
-                    self.scheduler.put(m.Release((request.daemon_id,), m.FinishReason.TIMEOUT))
+                    self.tokenizer.put(m.Release((request.daemon_id,), m.FinishReason.TIMEOUT))
                 else:  # already done in the scheduler; only the client never read it
                     request.buffer.clear()
                     request.finished = m.Finished(request.client_id, m.FinishReason.TIMEOUT,
@@ -265,11 +268,11 @@ class Stream(Actor):
         depth = len(request.buffer)
         if request.paused_since is None and depth > self.config.high_watermark:
             request.paused_since = trio.current_time()
-            self.scheduler.put(m.Pause(request.daemon_id))
+            self.tokenizer.put(m.Pause(request.daemon_id))
         elif request.paused_since is not None and depth <= self.config.low_watermark:
             request.paused_since = None
             if not request.ending:
-                self.scheduler.put(m.Resume(request.daemon_id))
+                self.tokenizer.put(m.Resume(request.daemon_id))
 
     def _send(self, msg: object) -> None:
         self.outgoing.append(self.codec.envelope(msg))

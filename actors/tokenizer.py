@@ -9,6 +9,13 @@ not yet done are counted, and past `limits.max_pending_prompt_bytes` a new long 
 detokenizer per request, so a chunk never splits a UTF-8 character and a stop string is held
 back until it can no longer match and is never sent; a matched stop string ends the request.
 
+It is also the one route from a request's Stream to the Scheduler: `Release`, `Pause` and
+`Resume` come here in order behind the request's `Encode`. A request still held here (a long
+prompt on a thread or waiting for one) ends here: its tokenizing is called off, its bytes
+are given back and its Stream gets the `Finished`; one already admitted has the message
+forwarded to the Scheduler behind its `Admit`, so nothing about a request overtakes it; one
+that already ended has its end on the way to the Stream, and the message is dropped.
+
 A crash fails the request whose message was being handled (it ends with `Error`); each
 other request's detokenizer belongs to that request, was not being touched, and is handed to
 the restarted actor, so those requests continue. Outputs of a step that were not handled yet
@@ -66,6 +73,15 @@ def prompt_bytes(request: m.Generate) -> int:
 
 
 @dataclass
+class _Held:
+    """A long prompt handed to the worker threads and not yet admitted."""
+
+    encode: m.Encode
+    size: int  # its bytes, counted against `max_pending_prompt_bytes`
+    scope: trio.CancelScope  # called off when the request is released meanwhile
+
+
+@dataclass
 class _Detok:
     client_id: str
     reply_to: str  # the address of its Stream actor's inbox
@@ -85,7 +101,7 @@ class Tokenizer(Actor):
         self.limits = limits
         self.requests: dict[str, _Detok] = {}  # survives restarts (see the module docstring)
         self._carry: list = []  # outputs a crashed incarnation left unhandled
-        self._carry_encodes: list[m.Encode] = []  # long prompts it was still tokenizing
+        self._carry_encodes: list[m.Encode] = []  # long prompts it was still holding
         self.thread_slots = trio.CapacityLimiter(TOKENIZER_THREADS)
         self.streams = Outboxes()  # to the Stream actors of live requests
         self.stream_users: Counter[str] = Counter()  # live requests per stream address
@@ -98,7 +114,7 @@ class Tokenizer(Actor):
         self.deliveries: dict[str, list] = {}  # stream address -> messages
         self.unhandled: list = []
         # long prompts handed to worker threads: not yet admitted, their bytes still held
-        self.tokenizing: dict[str, m.Encode] = {}
+        self.tokenizing: dict[str, _Held] = {}
         self.pending_prompt_bytes = 0
         carry, self._carry = self._carry, []
         if carry:
@@ -122,6 +138,9 @@ class Tokenizer(Actor):
             m.Admitted: self.on_admitted,
             m.Refused: self.on_refused,
             m.StepOutputs: self.on_step_outputs,
+            m.Release: self.on_release,
+            m.Pause: self.on_pause_or_resume,
+            m.Resume: self.on_pause_or_resume,
             m.Ask: self.on_ask,
         }
 
@@ -154,34 +173,44 @@ class Tokenizer(Actor):
                 f"prompts waiting to be tokenized would exceed "
                 f"limits.max_pending_prompt_bytes = {limit}; retry later", field))
             return
+        held = _Held(msg, size, trio.CancelScope())
         self.pending_prompt_bytes += size
-        self.tokenizing[msg.request_id] = msg
-        self._nursery.start_soon(self._tokenize_long, msg, sampling, size)
+        self.tokenizing[msg.request_id] = held
+        self._nursery.start_soon(self._tokenize_long, held, sampling)
 
-    async def _tokenize_long(self, msg: m.Encode, sampling: SamplingParams, size: int) -> None:
-        try:
-            prompt_ids = await trio.to_thread.run_sync(self._work(msg.generate),
-                                                       limiter=self.thread_slots)
-        except InvalidParams as exc:
-            self._finish_long(msg, size)
-            self._reject_invalid(msg, exc)
-        except Exception:
-            self._finish_long(msg, size)
-            # on_crash fails this request and carries the others over; not `in_hand`, which
-            # the loop may still reset while handling a message before it is cancelled
-            self.failed_long = msg
-            raise
-        else:
-            self._finish_long(msg, size)
+    async def _tokenize_long(self, held: _Held, sampling: SamplingParams) -> None:
+        msg = held.encode
+        with held.scope:  # cancelled while it waits for a thread: the thread is not taken
+            try:
+                prompt_ids = await trio.to_thread.run_sync(self._work(msg.generate),
+                                                           limiter=self.thread_slots)
+            except InvalidParams as exc:
+                if self._take_back(held):
+                    self._reject_invalid(msg, exc)
+                return
+            except Exception:
+                if not self._take_back(held):
+                    return  # released meanwhile: nobody waits for this prompt any more
+                # on_crash fails this request and carries the others over; not `in_hand`,
+                # which the loop may still reset while handling a message before it is
+                # cancelled
+                self.failed_long = msg
+                raise
+        if not held.scope.cancelled_caught and self._take_back(held):
             try:
                 self._admit(msg, sampling, prompt_ids)
             except InvalidParams as exc:
                 self._reject_invalid(msg, exc)
         # a cancelled task (a crash elsewhere, or shutdown) leaves its entry in `tokenizing`
 
-    def _finish_long(self, msg: m.Encode, size: int) -> None:
-        self.tokenizing.pop(msg.request_id, None)
-        self.pending_prompt_bytes -= size
+    def _take_back(self, held: _Held) -> bool:
+        """The threads are done with a long prompt: give its bytes back. False when it was
+        released meanwhile (its bytes were given back then, and it was answered)."""
+        if self.tokenizing.get(held.encode.request_id) is not held:
+            return False
+        del self.tokenizing[held.encode.request_id]
+        self.pending_prompt_bytes -= held.size
+        return True
 
     def _work(self, request: m.Generate) -> Callable[[], list[int]]:
         if request.prompt_ids is not None:
@@ -221,6 +250,29 @@ class Tokenizer(Actor):
         if state is not None:
             self._deliver_one(state.reply_to, m.Rejected(state.client_id, msg.code, msg.message,
                                                          msg.field))
+
+    async def on_release(self, msg: m.Release) -> None:
+        """End what is held here; forward the rest behind its Admit (see the docstring)."""
+        forward = []
+        for rid in msg.request_ids:
+            held = self.tokenizing.pop(rid, None)
+            if held is not None:
+                self.pending_prompt_bytes -= held.size
+                held.scope.cancel()
+                encode = held.encode
+                timings = m.Timings(total=max(0.0, trio.current_time() - encode.arrival))
+                self._outbox(encode.reply_to).append(
+                    m.Finished(encode.generate.request_id, msg.reason, m.Usage(), timings))
+            elif rid in self.requests:
+                forward.append(rid)
+        if forward:
+            self.scheduler.put(m.Release(tuple(forward), msg.reason))
+        self._deliver()
+
+    async def on_pause_or_resume(self, msg: m.Pause | m.Resume) -> None:
+        # only an admitted request has chunks to pause for
+        if msg.request_id in self.requests:
+            self.scheduler.put(msg)
 
     async def on_step_outputs(self, msg: m.StepOutputs) -> None:
         self._render_all(list(msg.outputs), trio.current_time())
@@ -310,6 +362,6 @@ class Tokenizer(Actor):
         self._deliver()
         self._carry = self.unhandled[1:]  # [0] is the output that crashed
         # long prompts cut off mid-tokenizing did nothing wrong: the next incarnation redoes them
-        self._carry_encodes = list(self.tokenizing.values())
+        self._carry_encodes = [held.encode for held in self.tokenizing.values()]
         log.error("tokenizer crashed", error=repr(exc),
                   request=clip(culprit, self.limits) if culprit else None)

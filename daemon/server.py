@@ -133,8 +133,7 @@ class Daemon:
 
             def make_stream(connection: bytes) -> Stream:
                 return Stream(connection, config=cfg.stream, codec=codec, gateway=gateway_inbox,
-                              tokenizer=self.tokenizer.inbox, scheduler=scheduler_inbox,
-                              limits=cfg.limits)
+                              tokenizer=self.tokenizer.inbox, limits=cfg.limits)
 
             model_name = "embedded:" + self.model_path.name if cfg.model is None else str(cfg.model)
             if cfg.executor == "null":

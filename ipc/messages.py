@@ -388,7 +388,9 @@ class Admit:
 
 @dataclass(frozen=True)
 class Release:
-    """Anyone -> Scheduler: end these requests now and free their KV."""
+    """Stream -> Tokenizer -> Scheduler: end these requests now and free their KV.
+
+    The Tokenizer ends those it still holds and forwards the rest behind their `Admit`."""
 
     request_ids: tuple[str, ...]
     reason: FinishReason
@@ -396,11 +398,15 @@ class Release:
 
 @dataclass(frozen=True)
 class Pause:
+    """Stream -> Tokenizer -> Scheduler: stop decoding the request; its KV stays."""
+
     request_id: str
 
 
 @dataclass(frozen=True)
 class Resume:
+    """Stream -> Tokenizer -> Scheduler: decode a paused request again."""
+
     request_id: str
 
 

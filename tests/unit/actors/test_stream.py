@@ -1,4 +1,7 @@
-"""The Stream actor's backpressure and liveness rules, driven by messages on a virtual clock."""
+"""The Stream actor's backpressure and liveness rules, driven by messages on a virtual clock.
+
+Everything the stream says about a request goes to the Tokenizer (the request's one route),
+in order behind its `Encode`; the stream has no line to the Scheduler."""
 
 from __future__ import annotations
 
@@ -35,9 +38,9 @@ def sent_to_client(gateway: Inbox) -> list:
 
 class Harness:
     def __init__(self, nursery: trio.Nursery, config: StreamConfig = CONFIG):
-        self.gateway, self.tokenizer, self.scheduler = Inbox("g"), Inbox("t"), Inbox("s")
+        self.gateway, self.tokenizer = Inbox("g"), Inbox("t")
         self.stream = Stream(b"conn", config=config, codec=Codec(), gateway=self.gateway,
-                             tokenizer=self.tokenizer, scheduler=self.scheduler)
+                             tokenizer=self.tokenizer)
 
     async def start(self, nursery: trio.Nursery) -> None:
         await nursery.start(self.stream.run)
@@ -78,11 +81,11 @@ async def test_high_watermark_pauses_and_low_watermark_resumes(autojump_clock, n
     await h.start(nursery)
     rid = await h.generate(credits=0)
     await h.deliver(*(chunk("t", i) for i in range(3)))
-    assert drain(h.scheduler) == []  # at the watermark, not past it
+    assert drain(h.tokenizer) == []  # at the watermark, not past it
     await h.deliver(chunk("t", 3))
-    assert drain(h.scheduler) == [m.Pause(rid)]
+    assert drain(h.tokenizer) == [m.Pause(rid)]
     await h.tell(m.Credit("r", 1))  # the whole buffer leaves as one chunk
-    assert drain(h.scheduler) == [m.Resume(rid)]
+    assert drain(h.tokenizer) == [m.Resume(rid)]
 
 
 async def test_paused_past_pause_timeout_is_released_with_timeout(autojump_clock, nursery) -> None:
@@ -90,11 +93,11 @@ async def test_paused_past_pause_timeout_is_released_with_timeout(autojump_clock
     await h.start(nursery)
     rid = await h.generate(credits=0)
     await h.deliver(*(chunk("t", i) for i in range(5)))
-    assert drain(h.scheduler) == [m.Pause(rid)]
+    assert drain(h.tokenizer) == [m.Pause(rid)]
     for _ in range(4):  # keep the connection alive: it is slow, not gone
         await trio.sleep(1)
         await h.tell(m.Heartbeat())
-    assert drain(h.scheduler) == [m.Release((rid,), m.FinishReason.TIMEOUT)]
+    assert drain(h.tokenizer) == [m.Release((rid,), m.FinishReason.TIMEOUT)]
     await h.deliver(m.Finished("r", m.FinishReason.TIMEOUT))
     [finished] = sent_to_client(h.gateway)  # buffered chunks are dropped, not sent
     assert finished.reason is m.FinishReason.TIMEOUT
@@ -106,7 +109,7 @@ async def test_silent_client_is_gone_and_everything_released(autojump_clock, nur
     first = await h.generate("a")
     second = await h.generate("b")
     await trio.sleep(CONFIG.heartbeat_timeout + 1)
-    released = drain(h.scheduler)
+    released = drain(h.tokenizer)
     assert released == [m.Release((first, second), m.FinishReason.CANCELLED)]
     assert m.StreamClosed(b"conn") in drain(h.gateway)
 
@@ -117,7 +120,7 @@ async def test_cancel_releases_and_drops_the_buffer(autojump_clock, nursery) -> 
     rid = await h.generate(credits=0)
     await h.deliver(chunk("a", 1))
     await h.tell(m.Cancel("r"))
-    assert drain(h.scheduler) == [m.Release((rid,), m.FinishReason.CANCELLED)]
+    assert drain(h.tokenizer) == [m.Release((rid,), m.FinishReason.CANCELLED)]
     await h.deliver(m.Finished("r", m.FinishReason.CANCELLED))
     [finished] = sent_to_client(h.gateway)
     assert finished.reason is m.FinishReason.CANCELLED
@@ -130,3 +133,14 @@ async def test_duplicate_request_id_is_rejected(autojump_clock, nursery) -> None
     await h.tell(m.Generate("r", prompt="again"))
     [rejected] = sent_to_client(h.gateway)
     assert isinstance(rejected, m.Rejected) and rejected.field == "request_id"
+
+
+async def test_generate_and_cancel_leave_in_order_on_one_route(autojump_clock, nursery) -> None:
+    h = Harness(nursery)
+    await h.start(nursery)
+    h.stream.inbox.put(m.Generate("r", prompt="x"))
+    h.stream.inbox.put(m.Cancel("r"))
+    await trio.testing.wait_all_tasks_blocked()
+    encode, release = drain(h.tokenizer)
+    assert isinstance(encode, m.Encode)
+    assert release == m.Release((encode.request_id,), m.FinishReason.CANCELLED)
