@@ -3,13 +3,17 @@
 It admits what the Tokenizer sends, keeps at most one `StepPlan` in flight at the Executor,
 applies each `StepResult` and hands the outputs back to the Tokenizer. Releases (cancel,
 timeout, client gone, errors) are applied at once, so their KV is free in the same
-iteration; pauses and resumes wait for the step in flight. `WorkerLost` voids the step in
-flight and sends every request holding KV back to the queue to recompute; the core then runs
-the lost step's requests apart (bisection), and the one that was alone in the lost step of
-`max_step_losses` workers ends with `error`: whatever in it kills the worker (a bug, a fault on
-one shape) must neither hold the daemon in a restart loop nor fail the requests beside it.
-`WorkerFailed` (no worker could start) ends every request with an error saying so, and new
-requests are refused with that reason until a worker is ready again.
+iteration; pauses and resumes wait for the step in flight. All of them come from the
+Tokenizer behind the request's `Admit` (what a Stream says about a request takes that one
+route), so a request this actor does not know has ended already, and its release is moot.
+
+`WorkerLost` voids the step in flight and sends every request holding KV back to the queue
+to recompute; the core then runs the lost step's requests apart (bisection), and the one
+that was alone in the lost step of `max_step_losses` workers ends with `error`: whatever in
+it kills the worker (a bug, a fault on one shape) must neither hold the daemon in a restart
+loop nor fail the requests beside it. `WorkerFailed` (no worker could start) ends every
+request with an error saying so, and new requests are refused with that reason until a
+worker is ready again.
 
 A restart of this actor starts from an empty core and a new epoch: it asks the Executor for
 the worker's state (`AskWorker`) instead of trusting what the old incarnation knew, and the
@@ -31,7 +35,6 @@ shell around it, as `Engine` is its synchronous driver in-process.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -56,7 +59,6 @@ REJECT_CODES = {
 }
 REASON_NAMES = {reason: reason.name.lower() for reason in m.FinishReason}
 WORKER_FAILED = "worker_failed"  # finish reason of requests ended because no worker can start
-_TOMBSTONES = 4096  # released-before-admitted ids remembered, oldest forgotten first
 EPOCH_BITS = 32  # the step id sent to the executor: epoch << EPOCH_BITS | the core's step id
 
 
@@ -95,7 +97,6 @@ class SchedulerActor(Actor):
         self.in_flight: StepPlan | None = None
         self.deferred: list[m.Pause | m.Resume] = []
         self.between_steps: list[Callable[[], None]] = []  # checks that wait for no step
-        self.tombstones: OrderedDict[str, None] = OrderedDict()
         self.worker_ready = self.initial_worker_ready
         self.worker_state = "ready" if self.worker_ready else "starting"
         self.worker_restarts = 0
@@ -147,10 +148,6 @@ class SchedulerActor(Actor):
     # -- requests -----------------------------------------------------------------------------
 
     async def on_admit(self, msg: m.Admit) -> None:
-        if self.tombstones.pop(msg.request_id, "absent") is None:
-            self._emit([RequestOutput(msg.request_id, [], finished=True,
-                                      finish_reason="cancelled")])
-            return
         if self.draining:
             self.counters["rejected"] += 1
             self.tokenizer.put(m.Refused(msg.request_id, m.RejectCode.DRAINING,
@@ -177,17 +174,9 @@ class SchedulerActor(Actor):
         self._maybe_step()
 
     async def on_release(self, msg: m.Release) -> None:
-        outputs = []
-        for rid in msg.request_ids:
-            out = self.core.abort(rid, reason=REASON_NAMES[msg.reason])
-            if out is not None:
-                outputs.append(out)
-            elif rid not in self.core.recently_ended:
-                # released before it was admitted (still tokenizing): remember to refuse its
-                # Admit. An id that already ended is not tombstoned: that Release crossed the
-                # Finished, and a tombstone would cancel a later request reusing the id.
-                self._tombstone(rid)
-        self._emit(outputs)
+        reason = REASON_NAMES[msg.reason]
+        self._emit([out for rid in msg.request_ids
+                    if (out := self.core.abort(rid, reason=reason)) is not None])
         self._maybe_step()
 
     async def on_finish(self, msg: m.Finish) -> None:
@@ -316,16 +305,10 @@ class SchedulerActor(Actor):
         self.latency.record(self.core, outputs)
         for out in outputs:
             if out.finished:
-                self.tombstones.pop(out.request_id, None)
                 key = "cancelled" if out.finish_reason in ("cancelled", "timeout") else "finished"
                 self.counters[key] += 1
                 _log_end(out)
         self.tokenizer.put(m.StepOutputs(tuple(outputs)))
-
-    def _tombstone(self, rid: str) -> None:
-        self.tombstones[rid] = None
-        while len(self.tombstones) > _TOMBSTONES:
-            self.tombstones.popitem(last=False)
 
     # -- operations ---------------------------------------------------------------------------
 
