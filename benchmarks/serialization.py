@@ -66,7 +66,11 @@ TALLY = Tally()
 
 
 def _hop(name: str, op: str, by: str) -> None:
-    if name in TOKEN_HOPS:
+    if by == "worker protocol":  # the (null) worker's side, or the scheduler's
+        hop = "worker -> scheduler" if name == "StepResult" else "scheduler -> worker"
+        table = TALLY.token_passes if name == "StepResult" else TALLY.plan_passes
+        table[(hop, op, by)] += 1
+    elif name in TOKEN_HOPS:
         TALLY.token_passes[(TOKEN_HOPS[name], op, by)] += 1
     elif name in PLAN_HOPS:
         TALLY.plan_passes[(PLAN_HOPS[name], op, by)] += 1
@@ -141,8 +145,9 @@ def _instrument() -> None:
 
     class CountedPacker(msgpack.Packer):
         def pack(self, obj):
-            if not _nested():
-                TALLY.msgpack_calls[f"pack   {_caller(2)}"] += 1
+            caller = _caller(2)
+            if caller != "msgpack.packb" and not _nested():  # packb was counted
+                TALLY.msgpack_calls[f"pack   {caller}"] += 1
             return super().pack(obj)
 
     msgpack.packb, msgpack.unpackb, msgpack.Packer = counted_packb, counted_unpackb, CountedPacker
