@@ -2,17 +2,25 @@
 
 An actor is a trio task tree that owns its state and talks to others only by messages put
 in their inboxes. An inbox is a ZeroMQ PULL socket bound to an `inproc://` address; a sender
-holds an `Outbox` (a PUSH socket connected to that address) and every message crosses as
-bytes of the internal codec, so actors share no objects: moving one to another process is a
-change of address. The inbox outlives a crash (senders keep their handle), the state does
-not: `run` starts from `reset()`, and the supervisor calls `on_crash` first so an actor that
-owned requests can release them. Supervision itself lives in `supervisor.py`.
+holds an `Outbox` (a PUSH socket connected to that address). A message crosses as bytes of
+the internal codec, so actors share no mutable objects: moving one to another process is a
+change of address. The messages of the per-token path (`HANDED_OVER`) are not encoded: to
+an inbox of the same process the sender hands the object itself over, and the frame carries
+only its number. Each of those is immutable (frozen, built of immutable values) or given
+away (the sender keeps no reference to it), so a relay forwards it, or the bytes inside it,
+untouched and no two actors ever hold the same mutable object; to any other address they
+are encoded like the rest. The inbox outlives a crash (senders keep their handle), the state
+does not: `run` starts from `reset()`, and the supervisor calls `on_crash` first so an actor
+that owned requests can release them. Supervision itself lives in `supervisor.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import errno
 import itertools
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,6 +28,7 @@ import structlog
 import trio
 import zmq
 
+from sluice.actors.executor import worker
 from sluice.actors.scheduler import plan
 from sluice.ipc import messages as m
 from sluice.ipc.internal import InternalCodec, dataclasses_of
@@ -29,12 +38,43 @@ log = structlog.get_logger("sluice.actors")
 
 Handler = Callable[[Any], Awaitable[None]]
 
-# everything actors may send each other: the messages and the step plan/result types
-CODEC = InternalCodec([*dataclasses_of(m), *dataclasses_of(plan)])
+# everything actors may send each other: the messages, the step plan/result types and the
+# worker's frames
+CODEC = InternalCodec([*dataclasses_of(m), *dataclasses_of(plan), *dataclasses_of(worker)])
+# Handed over, not encoded, between the actors of one process: a step's plan and result in
+# the worker's encoding (the executor relays their bytes), its outputs (built for the
+# tokenizer and given away), the chunks rendered from them, the client frames encoded from
+# those, and the client's own messages (decoded once, at the gateway). All but StepOutputs
+# are frozen and built of immutable values.
+HANDED_OVER = frozenset({
+    worker.PlanFrame, worker.ResultFrame, m.StepOutputs, m.Deliver, m.Outbound,
+    m.Generate, m.Credit, m.Cancel, m.Heartbeat,
+})
+_GIVEN_AWAY = frozenset({m.StepOutputs})  # mutable, but the sender keeps no reference
+# tests set this to check, at every hand-over, that a frozen message holds no mutable value
+_CHECK_HANDED_OVER = os.environ.get("SLUICE_CHECK_HANDED_OVER") == "1"
+_HANDED = b"\xc1"  # first byte of a handed-over message's frame: never a msgpack message's
+_handed: dict[str, dict[int, Any]] = {}  # inbox address -> number -> message not yet taken
+_handed_numbers = itertools.count()
 _addresses = itertools.count()
 _FAIR_SHARE = 16  # messages an actor takes in a row before it lets other tasks run
 # errors of an operation that needed a resource the process is out of (a socket's descriptor)
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+def check_immutable(value: Any) -> None:
+    """Raise `TypeError` if `value` holds anything another actor could change under it."""
+    if value is None or isinstance(value, (int, float, str, bytes, enum.Enum)):
+        return
+    if type(value) in (tuple, frozenset):
+        for item in value:
+            check_immutable(item)
+        return
+    if dataclasses.is_dataclass(value) and type(value).__dataclass_params__.frozen:
+        for field in dataclasses.fields(value):
+            check_immutable(getattr(value, field.name))
+        return
+    raise TypeError(f"a {type(value).__name__} is mutable: it cannot be handed to another actor")
 
 
 class Outbox:
@@ -70,10 +110,20 @@ class Outbox:
                 return
             self._socket.setsockopt(zmq.SNDHWM, 0)
             self._socket.connect(self.address)
-        frame = CODEC.encode(msg)
+        pending = _handed.get(self.address) if type(msg) in HANDED_OVER else None
+        if pending is None:
+            frame, number = CODEC.encode(msg), None
+        else:
+            if _CHECK_HANDED_OVER and type(msg) not in _GIVEN_AWAY:
+                check_immutable(msg)
+            number = next(_handed_numbers)
+            pending[number] = msg
+            frame = _HANDED + number.to_bytes(8, "little")
         try:
             self._socket.send(frame, zmq.NOBLOCK)
         except zmq.Again:  # the inbox was closed: its actor is gone for good
+            if pending is not None:
+                pending.pop(number, None)
             return
         self.sent += 1
 
@@ -120,6 +170,7 @@ class Inbox(Outbox):
         self._receiver = Socket(zmq.PULL)
         self._receiver.zmq.setsockopt(zmq.RCVHWM, 0)
         self._receiver.bind(self.address)
+        self._handed = _handed[self.address] = {}
 
     @property
     def depth(self) -> int:
@@ -129,6 +180,8 @@ class Inbox(Outbox):
     def close(self) -> None:
         super().close()
         self._receiver.close()
+        _handed.pop(self.address, None)  # with the frames that named them, never taken
+        self._handed.clear()
 
     def get_nowait(self) -> Any:
         """The next message, or `trio.WouldBlock` when there is none.
@@ -141,6 +194,8 @@ class Inbox(Outbox):
         except zmq.Again:
             raise trio.WouldBlock from None
         self.taken += 1
+        if frame[:1] == _HANDED:
+            return self._handed.pop(int.from_bytes(frame[1:], "little"))
         return CODEC.decode(frame)
 
     async def get(self) -> Any:

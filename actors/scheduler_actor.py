@@ -1,7 +1,9 @@
 """The Scheduler actor: a thin shell that drives the scheduler core with messages.
 
 It admits what the Tokenizer sends, keeps at most one `StepPlan` in flight at the Executor,
-applies each `StepResult` and hands the outputs back to the Tokenizer. Releases (cancel,
+applies each `StepResult` and hands the outputs back to the Tokenizer. A plan is encoded
+here, once, in the worker's encoding, and a result decoded here, once: the Executor relays
+their bytes. The outputs are handed to the Tokenizer as they are (see `actors.base`). Releases (cancel,
 timeout, client gone, errors) are applied at once, so their KV is free in the same
 iteration; pauses and resumes wait for the step in flight. All of them come from the
 Tokenizer behind the request's `Admit` (what a Stream says about a request takes that one
@@ -42,6 +44,7 @@ import trio
 
 from sluice.actors import scheduler_commands as commands
 from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
+from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_result, encode_plan
 from sluice.actors.limits import Limits, clip
 from sluice.actors.scheduler import Rejected, Request, Scheduler
 from sluice.actors.scheduler.latency import LatencyLog
@@ -115,7 +118,7 @@ class SchedulerActor(Actor):
             m.Finish: self.on_finish,
             m.Pause: self.on_pause_or_resume,
             m.Resume: self.on_pause_or_resume,
-            StepResult: self.on_step_result,
+            ResultFrame: self.on_result_frame,
             m.WorkerLost: self.on_worker_lost,
             m.WorkerReady: self.on_worker_ready,
             m.WorkerFailed: self.on_worker_failed,
@@ -204,6 +207,9 @@ class SchedulerActor(Actor):
     def _wire_step_id(self, plan: StepPlan) -> int:
         return self.epoch << EPOCH_BITS | plan.step_id
 
+    async def on_result_frame(self, msg: ResultFrame) -> None:
+        await self.on_step_result(decode_result(msg.frame))
+
     async def on_step_result(self, result: StepResult) -> None:
         plan = self.in_flight
         if plan is None or self._wire_step_id(plan) != result.step_id:
@@ -291,7 +297,9 @@ class SchedulerActor(Actor):
             if plan.seqs:
                 self.in_flight = plan
                 self.step_sent = trio.current_time()
-                self.executor.put(dataclasses.replace(plan, step_id=self._wire_step_id(plan)))
+                step_id = self._wire_step_id(plan)
+                frame = encode_plan(dataclasses.replace(plan, step_id=step_id))
+                self.executor.put(PlanFrame(step_id, frame))
                 return
             # nothing to run (everything paused or waiting for KV); flush ended requests
             outputs = self.core.update(plan, StepResult(plan.step_id))

@@ -8,7 +8,9 @@ order (or its compact `to_plain()` form where the type has one). An enum field c
 its enum, a list or set field as a list or set, any other sequence as a tuple. Anything else
 (an inbox, a socket, a detokenizer) raises `TypeError` at the sender, so two actors can never
 come to share mutable state through a message: what one sends, the other gets a copy of, as
-it would if the actors lived in different processes.
+it would if the actors lived in different processes. (The messages of the per-token path
+skip this codec between actors of one process: they are immutable, and handed over as they
+are; see `sluice.actors.base`.)
 
 Tags are positions in the registration order, which is the order the types are defined in
 their modules; every process of one sluice version derives the same table.

@@ -1,4 +1,8 @@
-"""The Executor actor: owns the worker process and forwards step plans to it.
+"""The Executor actor: owns the worker process and relays step plans and results.
+
+Plans come already in the worker's encoding and results go to the Scheduler as the worker
+wrote them (`worker.PlanFrame`, `worker.ResultFrame`): this actor forwards their bytes and
+never decodes or re-encodes a step.
 
 It spawns the worker, waits for its `hello`, verifies it with a known-answer forward (the
 first worker's answer is the known one; every later worker must give the same), and only
@@ -31,8 +35,7 @@ import trio
 import zmq
 
 from sluice.actors.base import Actor, Handler, Outbox
-from sluice.actors.executor.worker import decode_result, encode_plan
-from sluice.actors.scheduler.plan import StepPlan
+from sluice.actors.executor.worker import RESULT, PlanFrame, ResultFrame
 from sluice.ipc import messages as m
 from sluice.ipc.sockets import Socket
 
@@ -112,7 +115,7 @@ class Executor(Actor):
         self.step_started: float | None = None
 
     def handlers(self) -> dict[type, Handler]:
-        return {StepPlan: self.on_plan, m.AskWorker: self.on_ask_worker, m.Recover: self.on_recover}
+        return {PlanFrame: self.on_plan, m.AskWorker: self.on_ask_worker, m.Recover: self.on_recover}
 
     async def on_ask_worker(self, msg: m.AskWorker) -> None:
         if self.state == "ready":
@@ -129,12 +132,12 @@ class Executor(Actor):
     async def background(self, nursery: trio.Nursery) -> None:
         await nursery.start(self._keep_worker)
 
-    async def on_plan(self, plan: StepPlan) -> None:
+    async def on_plan(self, plan: PlanFrame) -> None:
         if self.sock is None or self.state != "ready":
             return  # the scheduler learns of the lost worker and requeues
         self.step_started = trio.current_time()
         try:
-            await self.sock.send(encode_plan(plan))
+            await self.sock.send(plan.frame)
         except (trio.ClosedResourceError, zmq.ZMQError):
             pass  # the worker is going away; the monitor reports it
 
@@ -269,11 +272,12 @@ class Executor(Actor):
 
     async def _receive_results(self, scope: trio.CancelScope) -> None:
         while True:
-            reply = await self._receive()
-            if reply.get("op") == "result":
+            frames = await self.sock.recv_multipart()
+            if frames[0] == RESULT and len(frames) == 2:
                 self.step_started = None
-                self.scheduler.put(decode_result(reply))
+                self.scheduler.put(ResultFrame(frames[1]))
             else:
+                reply = msgpack.unpackb(frames[0], strict_map_key=False)
                 log.error("worker reported a failure", message=reply.get("message"))
                 self.kill_worker()
                 return

@@ -1,16 +1,21 @@
 """The null executor: an explicitly fake, zero-cost model for `--executor null`.
 
-It answers every `StepPlan` at once with tokens from a fixed cycle (never EOS), so requests
+It answers every step plan at once with tokens from a fixed cycle (never EOS), so requests
 end by length. It exists to measure what the daemon itself costs per token (sockets, actors,
-scheduling, detokenizing, streaming); its output means nothing.
+scheduling, detokenizing, streaming); its output means nothing. It stands in for the worker
+process and speaks its protocol: it decodes each plan and encodes each result as the worker
+does, so the Scheduler's side of a step is the same with either executor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgpack
+
 from sluice.actors.base import Actor, Handler, Outbox
-from sluice.actors.scheduler.plan import SampledToken, StepPlan, StepResult
+from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
+from sluice.actors.scheduler.plan import SampledToken, StepResult
 from sluice.ipc import messages as m
 
 
@@ -31,7 +36,7 @@ class NullExecutor(Actor):
         self.scheduler.put(m.WorkerReady(self.restarts))
 
     def handlers(self) -> dict[type, Handler]:
-        return {StepPlan: self.on_plan, m.AskWorker: self.on_ask_worker,
+        return {PlanFrame: self.on_plan, m.AskWorker: self.on_ask_worker,
                 m.Recover: self.on_recover}
 
     async def on_ask_worker(self, msg: m.AskWorker) -> None:
@@ -42,14 +47,15 @@ class NullExecutor(Actor):
         self.restarts += 1
         self.scheduler.put(m.WorkerReady(self.restarts))
 
-    async def on_plan(self, plan: StepPlan) -> None:
+    async def on_plan(self, frame: PlanFrame) -> None:
+        plan = decode_plan(msgpack.unpackb(frame.frame, strict_map_key=False))
         cycle = self.token_cycle
         sampled = {
             seq.request_id: SampledToken(cycle[seq.num_generated % len(cycle)])
             for seq in plan.seqs
             if seq.sample
         }
-        self.scheduler.put(StepResult(plan.step_id, sampled))
+        self.scheduler.put(ResultFrame(encode_result(StepResult(plan.step_id, sampled))))
 
     async def on_crash(self, exc: BaseException) -> None:
         self.scheduler.put(m.WorkerLost(f"null executor crashed: {type(exc).__name__}"))

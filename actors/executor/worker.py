@@ -5,7 +5,10 @@ It connects, builds a `ModelRunner`, says `hello` with the facts the scheduler n
 serves requests one at a time: `step` (a StepPlan -> a StepResult), `health` (a known-answer
 forward on a fresh pool), `stop`. It exits by itself when its parent goes away.
 
-The plan/result encoding used on this socket lives here too, so both ends share it.
+The plan/result encoding used on this socket lives here too, so both ends share it. A plan
+is encoded once, by the Scheduler actor, and a result decoded once, by the Scheduler actor:
+the Executor relays both as bytes (`PlanFrame`, `ResultFrame`), which is why a result comes
+as two frames, `result` and its body, so the Executor can tell it from an error unread.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -28,6 +32,24 @@ HEALTH_REQUEST = "__health__"
 # -- encoding shared with the Executor actor -------------------------------------------------
 
 
+RESULT = b"result"  # the first frame of a step's result; its second is `encode_result`'s
+
+
+@dataclass(frozen=True)
+class PlanFrame:
+    """A step plan as the worker reads it, on its way from the Scheduler to the worker."""
+
+    step_id: int
+    frame: bytes
+
+
+@dataclass(frozen=True)
+class ResultFrame:
+    """A step's result as the worker wrote it, on its way from the worker to the Scheduler."""
+
+    frame: bytes
+
+
 def encode_plan(plan: StepPlan) -> bytes:
     return msgpack.packb({"op": "step", "plan": plan.to_plain()})
 
@@ -37,11 +59,11 @@ def decode_plan(msg: dict[str, Any]) -> StepPlan:
 
 
 def encode_result(result: StepResult) -> bytes:
-    return msgpack.packb({"op": "result", "result": result.to_plain()})
+    return msgpack.packb(result.to_plain())
 
 
-def decode_result(msg: dict[str, Any]) -> StepResult:
-    return StepResult.from_plain(msg["result"])
+def decode_result(frame: bytes) -> StepResult:
+    return StepResult.from_plain(msgpack.unpackb(frame, strict_map_key=False))
 
 
 def health_plan(vocab_size: int) -> StepPlan:
@@ -135,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                 if hang is not None and any(hang in s.token_ids for s in plan.seqs):
                     while True:  # until the executor's step_timeout kills this process
                         time.sleep(60)
-                reply = encode_result(runner.execute(plan))
+                sock.send_multipart([RESULT, encode_result(runner.execute(plan))])
+                continue
             elif op == "health":
                 started = time.perf_counter()
                 runner.reset_kv()

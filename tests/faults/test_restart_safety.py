@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import trio
 
+import msgpack
+
 from sluice.actors.base import Inbox
+from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
 from sluice.actors.scheduler_actor import SchedulerActor
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepPlan, StepResult
@@ -58,6 +61,16 @@ def _taken(inbox: Inbox) -> list:
             return taken
 
 
+def _plans(inbox: Inbox) -> list[StepPlan]:
+    """The plans the executor got, read as the worker reads them."""
+    return [decode_plan(msgpack.unpackb(p.frame)) for p in _taken(inbox)
+            if isinstance(p, PlanFrame)]
+
+
+def _result(result: StepResult) -> ResultFrame:
+    return ResultFrame(encode_result(result))
+
+
 def _admit(rid: str) -> m.Admit:
     return m.Admit(rid, b"", (5, 6, 7), SamplingParams(max_tokens=4, temperature=0.0), 0,
                    "default", 0.0)
@@ -68,17 +81,19 @@ async def test_a_late_result_of_an_earlier_incarnations_plan_is_ignored() -> Non
     try:
         actor.reset()
         await actor.on_admit(_admit("old"))
-        [old_plan] = [p for p in _taken(executor) if isinstance(p, StepPlan)]
+        [old_plan] = _plans(executor)
         actor.reset()  # what the supervisor does after a crash: a fresh core, a new epoch
         _taken(tokenizer)
         await actor.on_admit(_admit("new"))
-        [new_plan] = [p for p in _taken(executor) if isinstance(p, StepPlan)]
+        [new_plan] = _plans(executor)
 
-        await actor.on_step_result(StepResult(old_plan.step_id, {"old": SampledToken(9)}))
+        await actor.on_result_frame(_result(StepResult(old_plan.step_id,
+                                                      {"old": SampledToken(9)})))
         assert actor.in_flight is not None, "a stale result must not end the step in flight"
         assert not [o for o in _taken(tokenizer) if isinstance(o, m.StepOutputs)]
 
-        await actor.on_step_result(StepResult(new_plan.step_id, {"new": SampledToken(9)}))
+        await actor.on_result_frame(_result(StepResult(new_plan.step_id,
+                                                      {"new": SampledToken(9)})))
         outputs = [out for msg in _taken(tokenizer) if isinstance(msg, m.StepOutputs)
                    for out in msg.outputs]
         assert [(out.request_id, out.new_token_ids) for out in outputs] == [("new", [9])]

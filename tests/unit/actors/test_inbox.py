@@ -1,11 +1,14 @@
-"""Inboxes are ZeroMQ inproc sockets: messages arrive in order as copies, a closed inbox ends
-its actor cleanly and swallows late messages, and a daemon can hold thousands of them."""
+"""Inboxes are ZeroMQ inproc sockets: messages arrive in order as copies (those of the step
+path handed over instead, being immutable), a closed inbox ends its actor cleanly and swallows
+late messages, and a daemon can hold thousands of them."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
+from sluice.actors import base
 from sluice.actors.base import Actor, Inbox, Outbox
 from sluice.actors.supervisor import Supervisor
 from sluice.ipc import messages as m
@@ -91,3 +94,35 @@ async def test_more_inboxes_than_zeromqs_default_socket_limit() -> None:
     finally:
         for inbox in inboxes:
             inbox.close()
+
+
+async def test_step_path_messages_are_handed_over_in_order_with_encoded_ones() -> None:
+    inbox = Inbox("handed")
+    sender = Outbox(inbox.address)
+    chunk = m.Chunk("r1", "hi", (1, 2))
+    finished = m.Finished("r1", m.FinishReason.LENGTH)
+    deliveries = [m.Deliver((chunk,)), m.Pause("r1"), m.Deliver((finished,))]
+    for msg in deliveries:
+        sender.put(msg)
+    taken = [inbox.get_nowait() for _ in deliveries]
+    assert taken == deliveries
+    assert taken[0] is deliveries[0]  # handed over, not a copy: it is immutable
+    assert taken[1] is not deliveries[1]  # encoded: a copy
+    sender.close()
+    inbox.close()
+
+
+async def test_a_mutable_value_is_never_handed_to_another_actor() -> None:
+    inbox = Inbox("mutable")
+    with pytest.raises(TypeError, match="list"):
+        inbox.put(m.Deliver((m.Chunk("r1", "hi", [1, 2]),)))  # a list, where a tuple belongs
+    assert inbox.depth == 0
+    inbox.close()
+
+
+async def test_handed_over_messages_not_taken_are_forgotten_with_their_inbox() -> None:
+    inbox = Inbox("forgotten")
+    inbox.put(m.Outbound(b"c", (b"frame",)))
+    assert base._handed[inbox.address]
+    inbox.close()
+    assert inbox.address not in base._handed
