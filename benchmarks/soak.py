@@ -25,6 +25,7 @@ import sys
 import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -176,7 +177,7 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
         for name in args.hostile:
             for _ in range(sh.loops(name, plan)):
                 nursery.start_soon(sh.MODES[name], daemon.listen, plan, tallies[name], stop)
-        nursery.start_soon(watch.watch, daemon.control, stop)
+        nursery.start_soon(partial(watch.watch, daemon.control, stop, daemon=daemon))
         nursery.start_soon(sf.chaos, args.chaos, daemon, origin, args.chaos_interval, stop,
                            faults, args.recovery_timeout, args.long_tokens)
 

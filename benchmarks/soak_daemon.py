@@ -271,13 +271,23 @@ class StatusWatch:
     with_invariant_errors: int = 0
     samples: list[str] = field(default_factory=list)  # the first few, cut to 300 characters
     peak_connections: int = 0
+    # [seconds into the soak, daemon RSS, worker RSS] once a minute: memory that settles
+    # after the first minutes of hostile load is warm-up, memory that keeps growing a leak
+    memory: list[list] = field(default_factory=list)
 
-    async def watch(self, control: str, stop: trio.Event, interval: float = 2.5) -> None:
+    async def watch(self, control: str, stop: trio.Event, interval: float = 2.5,
+                    daemon: DaemonProcess | None = None) -> None:
+        started = next_sample = trio.current_time()
         while not stop.is_set():
             with trio.move_on_after(interval):
                 await stop.wait()
             if stop.is_set():
                 return
+            if daemon is not None and trio.current_time() >= next_sample:
+                now = memory(daemon)
+                self.memory.append([round(trio.current_time() - started),
+                                    now["daemon_rss_mib"], now["worker_rss_mib"]])
+                next_sample += 60
             try:
                 report = await fetch_status(control, check_invariants=True, timeout=3.0)
             except SluiceError:

@@ -33,6 +33,24 @@ def log_findings(path: Path) -> dict:
             "lines_with_prompt_text": leaks}
 
 
+LOAD_WARMUP_SECONDS = 120  # hostile load fills allocator arenas and caches in this time
+
+
+def growth_after_load_warmup(samples: list, last: dict) -> dict:
+    """RSS once the soak's load ran `LOAD_WARMUP_SECONDS`, and its growth from there to the end
+    (per cent): what a leak would show as, free of the first minutes' one-off growth."""
+    warmed = next((s for s in samples if s[0] >= LOAD_WARMUP_SECONDS), None)
+    if warmed is None:
+        return {}
+
+    def growth(then: float | None, now: float | None) -> float | None:
+        return round(100 * (now - then) / then, 1) if then and now else None
+
+    return {"daemon_after_load_warmup": warmed[1], "worker_after_load_warmup": warmed[2],
+            "daemon_growth_percent": growth(warmed[1], last["daemon_rss_mib"]),
+            "worker_growth_percent": growth(warmed[2], last["worker_rss_mib"])}
+
+
 def summary(report: dict) -> dict:
     """The numbers a reader looks at first; the rest of the report explains them."""
     base, load = report["well_behaved"]["baseline"], report["well_behaved"]["under_soak"]
@@ -64,7 +82,8 @@ def summary(report: dict) -> dict:
         "rss_mib": {"daemon_after_warmup": warm["daemon_rss_mib"],
                     "daemon_at_end": last["daemon_rss_mib"],
                     "worker_after_warmup": warm["worker_rss_mib"],
-                    "worker_at_end": last["worker_rss_mib"]},
+                    "worker_at_end": last["worker_rss_mib"],
+                    **growth_after_load_warmup(report["status_while_running"]["memory"], last)},
         "well_behaved_latency_seconds": {
             "baseline_p50": base["p50_seconds"], "baseline_p99": base["p99_seconds"],
             "under_soak_p50": load["p50_seconds"], "under_soak_p99": load["p99_seconds"],
