@@ -4,7 +4,11 @@ One task receives: each frame is decoded (a bad one gets `Rejected` naming the p
 nothing else happens), `Describe` is answered here, everything else goes to the Stream actor
 of that connection, started on its first message. The inbox carries frames to send
 (`Outbound`) from every stream; a peer the ROUTER can no longer reach is reported to its
-stream as `ClientGone`. While draining, new `Generate`s get `Rejected(draining)`.
+stream as `ClientGone`. While draining, new `Generate`s get `Rejected(draining)`. After each
+message it tells the Scheduler how many frames to send its inbox still holds
+(`reports.Backlog`, when that number moved far enough), which paces the Scheduler's steps.
+Asked (`Ask`), it lists the live connections or says the address it bound; the one operator
+command it carries out is the debug fault `vanish_stream` (`Operate`).
 
 No send waits on one peer (see `ipc.sockets`): a peer whose queue is full is forgotten
 (`peers.PeerBook`): its stream ends its requests and its later frames are dropped and
