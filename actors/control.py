@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import structlog
 import trio
@@ -45,7 +45,6 @@ class ControlHooks:
     recover: Callable[[], Awaitable[str]] | None = None  # restart the worker; a line to report
     # debug-only faults by kind; None when the daemon does not allow fault injection
     faults: dict[str, Callable[[], Awaitable[str]]] | None = None
-    on_snapshot: list[Callable[[m.ControlSnapshot], None]] = field(default_factory=list)
 
 
 class Questions:
@@ -199,11 +198,9 @@ class Control(Actor):
             for identity, until in list(self.subscribers.items()):
                 if until < now:
                     del self.subscribers[identity]
-            if not self.subscribers and not self.hooks.on_snapshot:
+            if not self.subscribers:
                 continue
             snap = await self.snapshot()
-            for observer in self.hooks.on_snapshot:
-                observer(snap)
             for identity in list(self.subscribers):
                 if not await self._send(identity, snap):
                     self.subscribers.pop(identity, None)
