@@ -28,6 +28,7 @@ import structlog
 import trio
 import zmq
 
+from sluice.actors import reports
 from sluice.actors.executor import worker
 from sluice.actors.scheduler import plan
 from sluice.ipc import messages as m
@@ -38,9 +39,10 @@ log = structlog.get_logger("sluice.actors")
 
 Handler = Callable[[Any], Awaitable[None]]
 
-# everything actors may send each other: the messages, the step plan/result types and the
-# worker's frames
-CODEC = InternalCodec([*dataclasses_of(m), *dataclasses_of(plan), *dataclasses_of(worker)])
+# everything actors may send each other: the messages, the step plan/result types, the
+# worker's frames and the records actors report their own state in
+CODEC = InternalCodec([*dataclasses_of(m), *dataclasses_of(plan), *dataclasses_of(worker),
+                       *dataclasses_of(reports)])
 # Handed over, not encoded, between the actors of one process: a step's plan and result in
 # the worker's encoding (the executor relays their bytes), its outputs (built for the
 # tokenizer and given away), the chunks rendered from them, the client frames encoded from
@@ -83,7 +85,8 @@ class Outbox:
     Queues are unbounded on purpose (high-water marks of 0): actors form cycles
     (scheduler -> stream -> scheduler), so a bounded queue could deadlock two actors waiting
     on each other. Flow control lives at the edges instead: credits for clients, admission
-    limits for requests, and the scheduler pacing steps by `Inbox.depth`.
+    limits for requests, and the scheduler pacing steps by the depths the actors downstream
+    report of their own inboxes (`reports.Backlog`).
     """
 
     def __init__(self, address: str):

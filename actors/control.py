@@ -4,25 +4,29 @@ Requests are decoded with the control codec and answered one at a time; status c
 the Scheduler as a `Snapshot`. Bad frames get `Rejected` naming the problem. Subscribers get
 a `ControlSnapshot` every 250 ms until their subscription lapses. Operator commands (drain,
 resume, reconcile, recover, cancel, tenant set) are answered with a `CommandReply`; what the
-scheduler owns is done by the scheduler (`Operate`), the worker's restart by a hook the
-daemon provides. Fault injection exists only when the daemon was configured for it.
+scheduler owns is done by the scheduler (`Operate`), the `vanish_stream` fault by the
+gateway (`Operate`), the worker's restart and the `worker_down` fault by hooks the daemon
+provides (they start and stop a supervised actor). Fault injection exists only when the
+daemon was configured for it.
 
-`Questions` is how anything outside the actors (the Control actor, the daemon's drain,
-`/health` and `STATUS=`) learns an actor's state: ask by message, wait for the `Reply`.
+`Questions` is how anything outside the actors (the Control actor, the daemon's boot and
+drain, `/health`, the metrics and `STATUS=`) learns an actor's state: ask by message, wait
+for the `Reply`.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import structlog
 import trio
 import zmq
 
-from sluice.actors.base import Actor, Handler, Inbox, Outbox
+from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.local_socket import bind_private
+from sluice.actors.reports import Endpoint, EndpointQuery
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
 from sluice.ipc.sockets import PeerGone, Socket
@@ -41,7 +45,6 @@ class ControlHooks:
     recover: Callable[[], Awaitable[str]] | None = None  # restart the worker; a line to report
     # debug-only faults by kind; None when the daemon does not allow fault injection
     faults: dict[str, Callable[[], Awaitable[str]]] | None = None
-    on_snapshot: list[Callable[[m.ControlSnapshot], None]] = field(default_factory=list)
 
 
 class Questions:
@@ -102,6 +105,7 @@ class Control(Actor):
         self.codec = Codec(m.CONTROL_REQUESTS)
         # answers of the scheduler and the gateway; a `Reply` names the question by token
         self.questions = Questions("control-replies")
+        self.askers = Outboxes()  # who asked this actor (the daemon, for the bound address)
 
     def reset(self) -> None:
         self.socket = Socket(zmq.ROUTER)
@@ -114,9 +118,14 @@ class Control(Actor):
     def close(self) -> None:
         super().close()
         self.questions.close()
+        self.askers.close()
 
     def handlers(self) -> dict[type, Handler]:
-        return {}
+        return {m.Ask: self.on_ask}
+
+    async def on_ask(self, msg: m.Ask) -> None:
+        if isinstance(msg.query, EndpointQuery):
+            self.askers.put(msg.reply_to, m.Reply(msg.token, Endpoint(self.address)))
 
     async def background(self, nursery: trio.Nursery) -> None:
         self._send_lock = trio.Lock()
@@ -189,21 +198,21 @@ class Control(Actor):
             for identity, until in list(self.subscribers.items()):
                 if until < now:
                     del self.subscribers[identity]
-            if not self.subscribers and not self.hooks.on_snapshot:
+            if not self.subscribers:
                 continue
             snap = await self.snapshot()
-            for observer in self.hooks.on_snapshot:
-                observer(snap)
             for identity in list(self.subscribers):
                 if not await self._send(identity, snap):
                     self.subscribers.pop(identity, None)
 
-    async def _operate(self, command: object) -> m.CommandReply:
+    async def _operate(self, command: object, actor: Outbox | None = None) -> m.CommandReply:
+        """Have `actor` (the scheduler unless named) carry out a command; its reply."""
         connections = frozenset()  # only reconcile looks at them: ask the gateway only then
         if isinstance(command, m.ReconcileCommand):
             connections = await self.connection_ids() or frozenset()
         return await self._ask(
-            self.scheduler, lambda address, token: m.Operate(command, address, token, connections))
+            actor or self.scheduler,
+            lambda address, token: m.Operate(command, address, token, connections))
 
     async def command(self, identity: bytes, command: object) -> object:
         """Carry out one operator command and say what happened."""
@@ -237,6 +246,8 @@ class Control(Actor):
                 return m.CommandReply("fault", False, "fault injection is disabled")
             if command.kind in ("leak_block", "crash_scheduler"):  # done by the scheduler
                 return await self._operate(command)
+            if command.kind == "vanish_stream" and hooks.gateway is not None:
+                return await self._operate(command, hooks.gateway)
             inject = hooks.faults.get(command.kind)
             if inject is None:
                 return m.CommandReply("fault", False, f"unknown fault {command.kind!r}")

@@ -4,7 +4,11 @@ One task receives: each frame is decoded (a bad one gets `Rejected` naming the p
 nothing else happens), `Describe` is answered here, everything else goes to the Stream actor
 of that connection, started on its first message. The inbox carries frames to send
 (`Outbound`) from every stream; a peer the ROUTER can no longer reach is reported to its
-stream as `ClientGone`. While draining, new `Generate`s get `Rejected(draining)`.
+stream as `ClientGone`. While draining, new `Generate`s get `Rejected(draining)`. After each
+message it tells the Scheduler how many frames to send its inbox still holds
+(`reports.Backlog`, when that number moved far enough), which paces the Scheduler's steps.
+Asked (`Ask`), it lists the live connections or says the address it bound; the one operator
+command it carries out is the debug fault `vanish_stream` (`Operate`).
 
 No send waits on one peer (see `ipc.sockets`): a peer whose queue is full is forgotten
 (`peers.PeerBook`): its stream ends its requests and its later frames are dropped and
@@ -34,9 +38,10 @@ import trio
 import zmq
 from zmq.utils import z85
 
-from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outboxes
+from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.limits import Limits, clip
 from sluice.actors.peers import PeerBook
+from sluice.actors.reports import BacklogGauge, Endpoint, EndpointQuery
 from sluice.actors.stream import Stream
 from sluice.actors.supervisor import Supervisor
 from sluice.ipc import messages as m
@@ -66,8 +71,11 @@ class Gateway(Actor):
         inbox: Inbox | None = None,
         curve_secret_key: str | None = None,
         tenant_keys: dict[str, str] | None = None,
+        backlog_to: Outbox | None = None,
     ):
         super().__init__(inbox=inbox)
+        self.backlog_to = backlog_to  # the Scheduler, told how far this actor is behind
+        self.backlog = BacklogGauge(self.name)
         self.curve_secret_key = curve_secret_key  # Z85; None: no authentication
         self.tenant_keys = dict(tenant_keys or {})  # client public key (Z85) -> tenant
         self.listen = listen
@@ -138,7 +146,11 @@ class Gateway(Actor):
             m.Drain: self.on_drain,
             m.Undrain: self.on_undrain,
             m.Ask: self.on_ask,
+            m.Operate: self.on_operate,
         }
+
+    def after_message(self) -> None:
+        self.backlog.report(self.inbox.depth, self.backlog_to)
 
     async def background(self, nursery: trio.Nursery) -> None:
         if self.zap is not None:
@@ -211,16 +223,29 @@ class Gateway(Actor):
                                  tuple(stream.inbox.address for stream in self.streams.values()),
                                  self.peers.stats())
             self.askers.put(msg.reply_to, m.Reply(msg.token, live))
+        elif isinstance(msg.query, EndpointQuery):
+            self.askers.put(msg.reply_to, m.Reply(msg.token, Endpoint(self.address)))
 
-    def vanish(self, connection: bytes) -> bool:
-        """Debug fault: drop a connection's stream without a word to anyone."""
-        stream = self.streams.pop(connection, None)
-        if stream is None:
-            return False
+    async def on_operate(self, msg: m.Operate) -> None:
+        """The one operator command done here: the debug fault `vanish_stream` (the Control
+        actor sends it only when the daemon allows fault injection)."""
+        command = msg.command
+        if isinstance(command, m.InjectFault) and command.kind == "vanish_stream":
+            reply = self._vanish_newest()
+        else:
+            reply = m.CommandReply("unknown", False, f"the gateway cannot do {command!r}")
+        self.askers.put(msg.reply_to, m.Reply(msg.token, reply))
+
+    def _vanish_newest(self) -> m.CommandReply:
+        """Debug fault: drop the newest connection's stream without a word to anyone."""
+        if not self.streams:
+            return m.CommandReply("fault", True, "no stream to drop")
+        connection = next(reversed(self.streams))
+        stream = self.streams.pop(connection)
         self.owners.pop(connection, None)
         self.supervisor.stop_child(stream)
         stream.inbox.close()
-        return True
+        return m.CommandReply("fault", True, f"dropped the stream of connection {connection.hex()}")
 
     # -- from the client --------------------------------------------------------------------
 

@@ -24,12 +24,15 @@ Reconcile and the consistency check of `status --check` wait for the gap between
 while a step is in flight its blocks are allocated for tokens not computed yet.
 
 Steps wait while the actors downstream (tokenizer, gateway) hold more than
-`downstream_limit` untaken messages: inboxes are unbounded (actors form cycles), so this
-is what keeps a daemon that produces tokens faster than it can send them from queueing
-without bound; the decode loop slows to the speed of delivery instead.
+`downstream_limit` untaken messages, as each reports of its own inbox (`reports.Backlog`):
+inboxes are unbounded (actors form cycles), so this is what keeps a daemon that produces
+tokens faster than it can send them from queueing without bound; the decode loop slows to
+the speed of delivery instead, and steps again on the report that there is room.
 
 Status queries and operator commands are answered here with the plain functions of
 `scheduler_commands.py`, which take the core and return the reply and the requests they ended.
+The metrics' histograms are kept here too (with `latency_histograms`) and leave only inside
+the `MetricsSnapshot` this actor is asked for.
 The core itself (`sluice.actors.scheduler`) has no I/O: in the daemon this actor is the trio
 shell around it, as `Engine` is its synchronous driver in-process.
 """
@@ -37,7 +40,7 @@ shell around it, as `Engine` is its synchronous driver in-process.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import structlog
 import trio
@@ -46,6 +49,7 @@ from sluice.actors import scheduler_commands as commands
 from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_result, encode_plan
 from sluice.actors.limits import Limits, clip
+from sluice.actors.reports import Backlog, Histogram, MetricsQuery, MetricsSnapshot
 from sluice.actors.scheduler import Rejected, Request, Scheduler
 from sluice.actors.scheduler.latency import LatencyLog
 from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult
@@ -76,12 +80,13 @@ class SchedulerActor(Actor):
         executor: Outbox,
         worker_ready: bool = False,
         inbox: Inbox | None = None,
-        downstream: Sequence[Inbox] = (),
         downstream_limit: int = 256,
         max_step_losses: int = 3,
+        latency_histograms: bool = False,
     ):
         super().__init__(inbox=inbox)
-        self.downstream = tuple(downstream)
+        # untaken messages of the actors downstream, by actor, as they last reported them
+        self.backlog: dict[str, int] = {}
         self.downstream_limit = downstream_limit
         self.max_step_losses = max_step_losses
         self.make_core = make_core
@@ -91,7 +96,7 @@ class SchedulerActor(Actor):
         self.counters = {"accepted": 0, "finished": 0, "cancelled": 0, "rejected": 0}
         self.epoch = 0  # incarnations of this actor; part of every step id it sends
         self.draining = False
-        self.latency = LatencyLog()
+        self.latency = LatencyLog(histograms=latency_histograms)
         self.askers = Outboxes()  # whoever sent Ask or Operate (the control actor)
 
     def reset(self) -> None:
@@ -126,27 +131,17 @@ class SchedulerActor(Actor):
             m.Ask: self.on_ask,
             m.Operate: self.on_operate,
             m.Undrain: self.on_undrain,
-            m.Tick: self.on_tick,
+            Backlog: self.on_backlog,
         }
 
-    async def background(self, nursery: trio.Nursery) -> None:
-        self._room = trio.Event()
-        nursery.start_soon(self._pace)
-
-    async def _pace(self) -> None:
-        while True:
-            await self._room.wait()
-            self._room = trio.Event()
-            while self._downstream_busy():
-                await trio.sleep(0.001)
-            self.inbox.put(m.Tick())
-
     def _downstream_busy(self) -> bool:
-        return sum(inbox.depth for inbox in self.downstream) > self.downstream_limit
+        return sum(self.backlog.values()) > self.downstream_limit
 
-    async def on_tick(self, msg: m.Tick) -> None:
-        self.waiting_for_room = False
-        self._maybe_step()
+    async def on_backlog(self, msg: Backlog) -> None:
+        self.backlog[msg.actor] = msg.depth
+        if self.waiting_for_room and not self._downstream_busy():
+            self.waiting_for_room = False
+            self._maybe_step()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -287,11 +282,8 @@ class SchedulerActor(Actor):
 
     def _maybe_step(self) -> None:
         while self.in_flight is None and self.worker_ready and self.core.has_unfinished():
-            if self.waiting_for_room:
-                return
             if self._downstream_busy():
-                self.waiting_for_room = True
-                self._room.set()
+                self.waiting_for_room = True  # the next Backlog with room steps again
                 return
             plan = self.core.schedule()
             if plan.seqs:
@@ -362,6 +354,9 @@ class SchedulerActor(Actor):
         consistency check waits for the gap between two steps."""
         if isinstance(msg.query, m.Subscribe):
             answer = m.ControlSnapshot(0, self.report(), self.detail())
+        elif isinstance(msg.query, MetricsQuery):
+            answer = MetricsSnapshot(m.ControlSnapshot(0, self.report(), self.detail()),
+                                     self.histograms())
         elif getattr(msg.query, "check_invariants", False):
             self.between_steps_do(lambda: self.askers.put(
                 msg.reply_to, m.Reply(msg.token, m.Snapshot(self.report(check=True)))))
@@ -377,6 +372,10 @@ class SchedulerActor(Actor):
     def detail(self) -> dict:
         return commands.console_detail(self.core, latency=self.latency.summary(self.core.clock()),
                                        worker=self._worker_status(), draining=self.draining)
+
+    def histograms(self) -> tuple[Histogram, ...]:
+        return tuple(Histogram(kind, tenant, buckets.bounds, tuple(buckets.counts), buckets.total)
+                     for (kind, tenant), buckets in self.latency.buckets.items())
 
     def _worker_status(self) -> m.WorkerStatus:
         return m.WorkerStatus(self.worker_state, self.worker_restarts, self.worker_pid,

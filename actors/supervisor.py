@@ -63,6 +63,7 @@ class Supervisor:
         self.restarts: dict[str, int] = {}  # total restarts per child name, for status
         self._nursery: trio.Nursery | None = None
         self._scopes: dict[int, trio.CancelScope] = {}
+        self._ended: dict[int, trio.Event] = {}  # set when a child's supervision ends
 
     async def run(
         self, children: list[Actor] = (), *, task_status: Any = trio.TASK_STATUS_IGNORED
@@ -84,11 +85,22 @@ class Supervisor:
         if scope is not None:
             scope.cancel()
 
+    def supervises(self, child: Actor) -> bool:
+        """Whether `child` is under supervision now (running, or waiting to restart)."""
+        return id(child) in self._scopes
+
+    async def stopped(self, child: Actor) -> None:
+        """Return once `child` is not under supervision (at once if it is not)."""
+        ended = self._ended.get(id(child))
+        if ended is not None:
+            await ended.wait()
+
     async def _supervise(self, child: Actor, transient: bool = False, *,
                          task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         status = _StartedOnce(task_status)
         crashes: deque[float] = deque()
         backoff = self.policy.backoff_initial
+        ended = self._ended[id(child)] = trio.Event()
         with trio.CancelScope() as scope:
             self._scopes[id(child)] = scope
             try:
@@ -117,6 +129,9 @@ class Supervisor:
                     backoff = min(backoff * 2, self.policy.backoff_max)
             finally:
                 self._scopes.pop(id(child), None)
+                if self._ended.get(id(child)) is ended:
+                    del self._ended[id(child)]
+                ended.set()
                 if transient:  # one that gave up before serving must not fail its starter
                     status.started()
 

@@ -21,6 +21,9 @@ other request's detokenizer belongs to that request, was not being touched, and 
 the restarted actor, so those requests continue. Outputs of a step that were not handled yet
 when the crash happened, and long prompts whose tokenizing was cut off, are handled first by
 the new incarnation.
+
+After each message it tells the Scheduler how many messages its inbox still holds
+(`reports.Backlog`, when that number moved far enough): the Scheduler paces its steps by it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import trio
 from sluice.actors.base import Actor, Handler, Inbox, Outboxes
 from sluice.actors.intake import check_prompt_form, sampling_from_wire
 from sluice.actors.limits import Limits, clip
+from sluice.actors.reports import BacklogGauge
 from sluice.actors.scheduler.plan import InvalidParams, SamplingParams
 from sluice.actors.text import RequestText
 from sluice.ipc import messages as m
@@ -106,6 +110,7 @@ class Tokenizer(Actor):
         self.streams = Outboxes()  # to the Stream actors of live requests
         self.stream_users: Counter[str] = Counter()  # live requests per stream address
         self.askers = Outboxes()  # whoever asks how many requests are held (drain)
+        self.backlog = BacklogGauge(self.name)  # this inbox's depth, told to the Scheduler
 
     def reset(self) -> None:
         self.in_hand: m.Encode | None = None  # the request being tokenized, for on_crash
@@ -131,6 +136,9 @@ class Tokenizer(Actor):
         super().close()
         self.streams.close()
         self.askers.close()
+
+    def after_message(self) -> None:
+        self.backlog.report(self.inbox.depth, self.scheduler)
 
     def handlers(self) -> dict[type, Handler]:
         return {

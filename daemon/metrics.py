@@ -1,10 +1,10 @@
 """Prometheus metrics and `/health` over HTTP, served from the daemon's own event loop.
 
-Histograms are filled as things happen (the scheduler's `LatencyLog` observers: time to
-first token, inter-token latency, iteration time, prefill chunk and decode batch sizes);
-gauges and totals come from a snapshot the scheduler is asked for (by message) when scraped,
-so `sluice_kv_blocks` equals what a snapshot taken at the same moment says. Names follow
-DESIGN §10.
+Everything comes from one snapshot the scheduler is asked for (by message, a
+`MetricsSnapshot`) when scraped: the gauges and totals, so `sluice_kv_blocks` equals what a
+snapshot taken at the same moment says, and the histograms the scheduler keeps (time to
+first token, inter-token latency, iteration time, prefill chunk and decode batch sizes) as
+typed bucket counts. Nothing here reads an actor. Names follow DESIGN §10.
 
 `/health` answers 200 while serving with a ready worker, 503 while draining, while the
 worker is down or `failed` (the body says which), or when the scheduler does not answer.
@@ -22,60 +22,38 @@ from typing import Any
 
 import structlog
 import trio
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from sluice.actors.reports import Histogram, MetricsSnapshot
 
 log = structlog.get_logger("sluice.metrics")
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                    10.0, 30.0)
-_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-_BATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _REQUEST_LIMIT = 8192  # bytes of request line and headers we read before giving up
 OTHER_TENANTS = "(other)"  # the label of every tenant no config or operator created
 
 
+# histogram kind (as the scheduler keeps it) -> name, help, whether labelled by tenant
+HISTOGRAMS = {
+    "ttft": ("sluice_time_to_first_token_seconds", "Arrival to first generated token", True),
+    "itl": ("sluice_inter_token_latency_seconds",
+            "Time between generated tokens of one request", True),
+    "iteration": ("sluice_scheduler_iteration_seconds",
+                  "Plan sent to result applied, per iteration", False),
+    "prefill_chunk": ("sluice_prefill_chunk_tokens", "Tokens per prefill chunk", False),
+    "decode_batch": ("sluice_decode_batch_size", "Decoding sequences per iteration", False),
+}
+
+
 class Metrics:
-    """The daemon's metric registry; `observe` is the scheduler's latency observer."""
+    """The daemon's metric registry, rendered from the latest `MetricsSnapshot`."""
 
-    def __init__(self, snapshot: Callable[[], Awaitable[Any]]):
-        self.snapshot = snapshot  # asks the scheduler for a ControlSnapshot
-        self.latest: Any = None  # the snapshot of the scrape being answered
+    def __init__(self, snapshot: Callable[[], Awaitable[MetricsSnapshot]]):
+        self.snapshot = snapshot  # asks the scheduler for a MetricsSnapshot
+        self.latest: MetricsSnapshot | None = None  # the snapshot of the scrape being answered
         self.registry = CollectorRegistry(auto_describe=False)
-        r = self.registry
-        self.ttft = Histogram("sluice_time_to_first_token_seconds",
-                              "Arrival to first generated token", ["tenant"],
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("sluice_inter_token_latency_seconds",
-                             "Time between generated tokens of one request", ["tenant"],
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.iteration = Histogram("sluice_scheduler_iteration_seconds",
-                                   "Plan sent to result applied, per iteration",
-                                   buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefill_chunk = Histogram("sluice_prefill_chunk_tokens",
-                                       "Tokens per prefill chunk", buckets=_TOKEN_BUCKETS,
-                                       registry=r)
-        self.decode_batch = Histogram("sluice_decode_batch_size",
-                                      "Decoding sequences per iteration",
-                                      buckets=_BATCH_BUCKETS, registry=r)
-        r.register(_SchedulerCollector(lambda: self.latest))
-
-    def observe(self, kind: str, value: float, tenant: str) -> None:
-        if kind == "ttft":
-            self.ttft.labels(self._tenant_label(tenant)).observe(value)
-        elif kind == "itl":
-            self.itl.labels(self._tenant_label(tenant)).observe(value)
-        elif kind == "iteration":
-            self.iteration.observe(value)
-        elif kind == "prefill_chunk":
-            self.prefill_chunk.observe(value)
-        elif kind == "decode_batch":
-            self.decode_batch.observe(value)
-
-    @staticmethod
-    def _tenant_label(tenant: str) -> str:
-        return tenant or OTHER_TENANTS  # "" is every tenant no config or operator created
+        self.registry.register(_SchedulerCollector(lambda: self.latest))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -89,7 +67,7 @@ class Metrics:
         return True
 
     def healthy(self) -> tuple[bool, str]:
-        report = self.latest.status
+        report = self.latest.snapshot.status
         if report.state != "serving":
             return False, report.state
         if report.worker.state != "ready":
@@ -115,17 +93,36 @@ def bounded_tenants(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return shown
 
 
-class _SchedulerCollector:
-    """Gauges and totals read from the scheduler at scrape time."""
+def histogram_families(histograms: tuple[Histogram, ...]) -> Iterator[HistogramMetricFamily]:
+    """The scheduler's histograms as Prometheus families (cumulative buckets, `le` labels)."""
+    families: dict[str, HistogramMetricFamily] = {}
+    for histogram in histograms:
+        name, help_text, by_tenant = HISTOGRAMS[histogram.kind]
+        family = families.get(name)
+        if family is None:
+            family = families[name] = HistogramMetricFamily(
+                name, help_text, labels=["tenant"] if by_tenant else None)
+        buckets, seen = [], 0
+        for bound, count in zip((*histogram.bounds, float("inf")), histogram.counts):
+            seen += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), seen))
+        labels = [histogram.tenant or OTHER_TENANTS] if by_tenant else []
+        family.add_metric(labels, buckets, sum_value=histogram.total)
+    yield from families.values()
 
-    def __init__(self, snapshot: Callable[[], Any]):
+
+class _SchedulerCollector:
+    """Gauges, totals and histograms from the scheduler's snapshot taken at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], MetricsSnapshot | None]):
         self.snapshot = snapshot
 
     def collect(self) -> Iterator[Any]:
-        snapshot = self.snapshot()
-        if snapshot is None:
+        latest = self.snapshot()
+        if latest is None:
             return
-        report, stats = snapshot.status, snapshot.detail
+        yield from histogram_families(latest.histograms)
+        report, stats = latest.snapshot.status, latest.snapshot.detail
         kv = GaugeMetricFamily("sluice_kv_blocks", "KV cache blocks by state", labels=["state"])
         for state, value in (("free", report.kv.free_blocks), ("cached", report.kv.cached_blocks),
                              ("used", report.kv.used_blocks), ("total", report.kv.total_blocks)):

@@ -7,10 +7,13 @@ by the Gateway, one per connection, as transient children (a crash never escalat
 supervisor propagates (the process exits non-zero), and so does `WorkerStartFailed` when the
 first worker never passes its health check.
 
-The daemon learns the actors' state by asking (`Questions`): `STATUS=`, `/health` and the
-metrics come from the scheduler's snapshot, drain's idle check from the scheduler, the
-tokenizer and each stream. Only the boot reads the executor's facts (the pool sizes the
-scheduler core) and whether its first worker came up.
+The daemon learns the actors' state only by asking (`Questions`), and tells them what to do
+only by message: the boot asks the executor for its worker's facts (the pool sizes the
+scheduler core; none means the first worker never came up) and the gateway and control for
+the addresses they bound; `STATUS=`, `/health` and the metrics come from the scheduler's
+snapshots; drain's idle check asks the scheduler, the tokenizer and each stream. What it
+does to actors directly is supervision: starting and stopping them (`recover`, the
+`worker_down` fault).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from sluice.actors.executor.actor import Executor
 from sluice.actors.executor.loader import resolve_model_path
 from sluice.actors.executor.null import NullExecutor
 from sluice.actors.gateway import Gateway
+from sluice.actors.reports import EndpointQuery, MetricsQuery, WorkerFacts, WorkerQuery
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
 from sluice.actors.scheduler_actor import SchedulerActor
 from sluice.actors.stream import Stream
@@ -64,19 +68,14 @@ class Daemon:
         self.gateway: Gateway | None = None
         self.control: Control | None = None
         self.metrics_port: int | None = None  # bound port of /metrics, when enabled
+        self.listen_address: str | None = None  # what the gateway bound, once it serves
+        self.control_address: str | None = None  # what the control actor bound
         self.questions = Questions("daemon-replies")  # answers of the actors the daemon asks
         self._scheduler_inbox: Inbox | None = None
+        self._inboxes: dict[str, Inbox] = {}  # the other actors', by actor name
         self._stream_outboxes: dict[str, Outbox] = {}  # drain asks each stream
         # tenants the config file names, so a reload can reset those it no longer names
         self._file_tenants: set[str] = set()
-
-    @property
-    def listen_address(self) -> str:
-        return self.gateway.address
-
-    @property
-    def control_address(self) -> str:
-        return self.control.address
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         tokenizer = await trio.to_thread.run_sync(_load_tokenizer, self.model_path)
@@ -99,13 +98,14 @@ class Daemon:
             self._nursery = nursery
             await nursery.start(self.supervisor.run, [])
             nursery.start_soon(self.questions.take_replies)
-            self.executor, facts = self._make_executor(tokenizer, scheduler_inbox)
+            self.executor = self._make_executor(tokenizer, scheduler_inbox)
+            executor_inbox = self._inboxes["executor"] = self.executor.inbox
             await self.supervisor.start_child(self.executor)
-            if facts is None:
-                facts = self.executor.facts
-                if facts is None:  # it serves once started, unless its first worker failed
-                    raise WorkerStartFailed(f"the worker could not be started: "
-                                            f"{self.executor.failure}")
+            worker = await self.questions.ask(executor_inbox, lambda address, token: m.Ask(
+                WorkerQuery(), address, token))
+            facts = worker.facts
+            if facts is None:  # it serves once started, unless its first worker failed
+                raise WorkerStartFailed(f"the worker could not be started: {worker.failure}")
             core_config = SchedulerConfig.from_dict(
                 {**cfg.scheduler, "kv_blocks": facts.num_blocks, "block_size": facts.block_size}
             )
@@ -124,16 +124,17 @@ class Daemon:
                                  max_model_len=max_model_len)
 
             self.tokenizer = Tokenizer(tokenizer, scheduler=scheduler_inbox, limits=cfg.limits)
+            tokenizer_inbox = self._inboxes["tokenizer"] = self.tokenizer.inbox
             codec = Codec(m.SERVER_MESSAGES, max_frame_bytes=cfg.limits.max_frame_bytes)
             client_codec = Codec(m.CLIENT_MESSAGES, max_frame_bytes=cfg.limits.max_frame_bytes)
-            gateway_inbox = Inbox("gateway")
-            self.scheduler = SchedulerActor(make_core, tokenizer=self.tokenizer.inbox,
-                                            executor=self.executor.inbox, inbox=scheduler_inbox,
-                                            downstream=(self.tokenizer.inbox, gateway_inbox))
+            gateway_inbox = self._inboxes["gateway"] = Inbox("gateway")
+            self.scheduler = SchedulerActor(make_core, tokenizer=tokenizer_inbox,
+                                            executor=executor_inbox, inbox=scheduler_inbox,
+                                            latency_histograms=cfg.metrics_port is not None)
 
             def make_stream(connection: bytes) -> Stream:
                 return Stream(connection, config=cfg.stream, codec=codec, gateway=gateway_inbox,
-                              tokenizer=self.tokenizer.inbox, limits=cfg.limits)
+                              tokenizer=tokenizer_inbox, limits=cfg.limits)
 
             model_name = "embedded:" + self.model_path.name if cfg.model is None else str(cfg.model)
             if cfg.executor == "null":
@@ -144,28 +145,35 @@ class Daemon:
                                    limits=cfg.limits,
                                    heartbeat_interval=cfg.stream.heartbeat_interval,
                                    heartbeat_timeout=cfg.stream.heartbeat_timeout,
-                                   inbox=gateway_inbox,
+                                   inbox=gateway_inbox, backlog_to=scheduler_inbox,
                                    curve_secret_key=cfg.auth.server_secret_key,
                                    tenant_keys={key: tenant
                                                 for tenant, keys in cfg.auth.tenants.items()
                                                 for key in keys})
             self.control = Control(cfg.control_address, scheduler=scheduler_inbox,
                                    hooks=self._control_hooks(gateway_inbox))
+            control_inbox = self._inboxes["control"] = self.control.inbox
             for actor in (self.scheduler, self.tokenizer, self.gateway, self.control):
                 await self.supervisor.start_child(actor)
+            self.listen_address = await self._bound_address(gateway_inbox)
+            self.control_address = await self._bound_address(control_inbox)
             if cfg.metrics_port is not None:
                 await self._start_metrics(nursery)
-            log.info("ready", listen=self.gateway.address, control=self.control.address,
+            log.info("ready", listen=self.listen_address, control=self.control_address,
                      executor=cfg.executor, kv_blocks=facts.num_blocks)
             task_status.started(self)
             await self.stopped.wait()
             nursery.cancel_scope.cancel()
 
+    async def _bound_address(self, actor: Inbox) -> str:
+        endpoint = await self.questions.ask(actor, lambda address, token: m.Ask(
+            EndpointQuery(), address, token))
+        return endpoint.address
+
     async def _start_metrics(self, nursery: trio.Nursery) -> None:
         from sluice.daemon.metrics import Metrics, serve_metrics
 
-        metrics = Metrics(self.snapshot)
-        self.scheduler.latency.observers.append(metrics.observe)
+        metrics = Metrics(self.metrics_snapshot)
         self.metrics_port = await nursery.start(serve_metrics, metrics, self.config.metrics_host,
                                                 self.config.metrics_port)
 
@@ -176,10 +184,11 @@ class Daemon:
             m.StatusQuery(check_invariants), address, token), timeout)
         return snapshot.report
 
-    async def snapshot(self) -> m.ControlSnapshot:
-        """What the console sees (status and detail), asked by message; for the metrics."""
+    async def metrics_snapshot(self):
+        """What the console sees (status and detail) and the latency histograms, asked by
+        message; for the metrics."""
         return await self.questions.ask(
-            self._scheduler_inbox, lambda address, token: m.Ask(m.Subscribe(), address, token),
+            self._scheduler_inbox, lambda address, token: m.Ask(MetricsQuery(), address, token),
             5.0)  # inside the 10 s a metrics scrape may take
 
     async def summary(self) -> str:
@@ -204,9 +213,9 @@ class Daemon:
         """
         tenants = SchedulerConfig.from_dict({**config.scheduler, "kv_blocks": 1}).tenants
         for name in self._file_tenants - set(tenants):
-            self.scheduler.inbox.put(m.Operate(m.TenantSet(name, reset=True)))
+            self._scheduler_inbox.put(m.Operate(m.TenantSet(name, reset=True)))
         for name, tenant in tenants.items():  # no reply address: nobody waits for the answer
-            self.scheduler.inbox.put(m.Operate(m.TenantSet(name, **dataclasses.asdict(tenant),
+            self._scheduler_inbox.put(m.Operate(m.TenantSet(name, **dataclasses.asdict(tenant),
                                                            reset=True)))
         self._file_tenants = set(tenants)
         return sorted(tenants)
@@ -214,47 +223,39 @@ class Daemon:
     def _control_hooks(self, gateway_inbox: Inbox) -> ControlHooks:
         faults = None
         if self.config.debug_faults:
-            faults = {"worker_down": self._stop_worker, "vanish_stream": self._vanish_stream}
+            faults = {"worker_down": self._stop_worker}  # vanish_stream: the gateway's own
         return ControlHooks(gateway=gateway_inbox, recover=self.recover, faults=faults)
 
     async def recover(self) -> str:
         """Restart the worker: replace a serving one, retry a failed one now, or start the
         executor again when it was stopped."""
-        executor = self.executor
-        if executor.running:
-            executor.inbox.put(m.Recover())
+        if self.supervisor.supervises(self.executor):
+            self._inboxes["executor"].put(m.Recover())
             return "worker restarting; it serves once it passes its health check"
         # a model worker takes a while to load and verify: do not hold the control socket
-        self._nursery.start_soon(self.supervisor.start_child, executor)
+        self._nursery.start_soon(self.supervisor.start_child, self.executor)
         return "worker starting; it serves once it passes its health check"
 
     async def _stop_worker(self) -> str:
-        executor = self.executor
-        self.supervisor.stop_child(executor)
+        self.supervisor.stop_child(self.executor)
         with trio.fail_after(30):
-            while executor.running:
-                await trio.sleep(0.01)
-        self.scheduler.inbox.put(m.WorkerLost("worker stopped"))
+            await self.supervisor.stopped(self.executor)
+        self._scheduler_inbox.put(m.WorkerLost("worker stopped"))
         return "worker stopped"
 
-    async def _vanish_stream(self) -> str:
-        connections = list(self.gateway.streams)
-        if not connections or not self.gateway.vanish(connections[-1]):
-            return "no stream to drop"
-        return f"dropped the stream of connection {connections[-1].hex()}"
-
-    def _make_executor(self, tokenizer, scheduler_inbox: Inbox):
+    def _make_executor(self, tokenizer, scheduler_inbox: Inbox) -> Actor:
         cfg = self.config
         if cfg.executor == "null":
             ids = [t for t in tokenizer.encode(cfg.null.text) if t not in tokenizer.eos_token_ids]
-            facts = _NullFacts(cfg.null.num_blocks, cfg.null.block_size, cfg.null.max_model_len)
-            return NullExecutor(scheduler=scheduler_inbox, token_cycle=ids), facts
+            facts = WorkerFacts(cfg.null.num_blocks, cfg.null.block_size, cfg.null.max_model_len,
+                                tokenizer.vocab_size)
+            return NullExecutor(scheduler=scheduler_inbox, token_cycle=ids, facts=facts)
         spec = cfg.worker
         if spec.model is None and cfg.model is not None:
             spec = dataclasses.replace(spec, model=cfg.model)
         if spec.runtime_dir is None:
             spec = dataclasses.replace(spec, runtime_dir=str(runtime_dir()))
-        return Executor(spec, scheduler=scheduler_inbox), None
+        return Executor(spec, scheduler=scheduler_inbox)
 
     async def drain(self, deadline: float | None = None) -> bool:
         """Stop admitting, wait for running requests (up to `deadline` s), then stop.
@@ -262,8 +263,8 @@ class Daemon:
         Returns whether every request finished before the deadline; the rest are cancelled.
         """
         deadline = self.config.drain_deadline if deadline is None else deadline
-        self.gateway.inbox.put(m.Drain(deadline))
-        self.scheduler.inbox.put(m.Drain(deadline))
+        self._inboxes["gateway"].put(m.Drain(deadline))
+        self._scheduler_inbox.put(m.Drain(deadline))
         finished = True
         with trio.move_on_after(deadline) as scope:
             while not await self._idle():
@@ -290,11 +291,11 @@ class Daemon:
             live = report.requests
             if live.waiting or live.running or live.paused:
                 return False
-            held = await ask(self.tokenizer.inbox,
+            held = await ask(self._inboxes["tokenizer"],
                              lambda address, token: m.Ask(m.Holding(), address, token))
             if held.requests:
                 return False
-            connections = await ask(self.gateway.inbox, lambda address, token: m.Ask(
+            connections = await ask(self._inboxes["gateway"], lambda address, token: m.Ask(
                 m.ListConnections(), address, token))
             for stream in connections.streams:
                 outbox = self._stream_outboxes.get(stream)
@@ -310,10 +311,3 @@ class Daemon:
 
     def stop(self) -> None:
         self.stopped.set()
-
-
-@dataclasses.dataclass(frozen=True)
-class _NullFacts:
-    num_blocks: int
-    block_size: int
-    max_model_len: int

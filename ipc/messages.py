@@ -608,7 +608,3 @@ class Reply:
     token: int
     message: Any
 
-
-@dataclass(frozen=True)
-class Tick:
-    """Scheduler -> itself: the actors downstream have room again; try to step."""

@@ -14,9 +14,9 @@ own ipc:// endpoint, so no late reply from a dead worker can be taken for a live
 A worker that fails `max_failed_starts` starts in a row puts the executor in the `failed`
 state, which is a state and not a crash (a crash would let the supervisor restart the actor
 and forget the count): the Scheduler is told `WorkerFailed`, and the executor retries every
-`failed_retry_interval` seconds, or at once on `Recover`. At boot the daemon sees that the
-first worker never came (`facts` is None once `run` started) and exits with its own code.
-`AskWorker` (from a restarted Scheduler) is answered with the current state.
+`failed_retry_interval` seconds, or at once on `Recover`. At boot the daemon asks (`WorkerQuery`)
+once `run` started; a first worker that never came has no facts, and the daemon exits with
+its own code. `AskWorker` (from a restarted Scheduler) is answered with the current state.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import structlog
 import trio
 import zmq
 
-from sluice.actors.base import Actor, Handler, Outbox
+from sluice.actors.base import Actor, Handler, Outbox, Outboxes
+from sluice.actors.reports import WorkerFacts, WorkerQuery, WorkerState
 from sluice.actors.executor.worker import RESULT, PlanFrame, ResultFrame
 from sluice.ipc import messages as m
 from sluice.ipc.sockets import Socket
@@ -80,16 +81,6 @@ class WorkerSpec:
     debug_hang_token: int | None = None
 
 
-@dataclass(frozen=True)
-class WorkerFacts:
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-    dtype: str = ""  # what the worker resolved `auto` to, e.g. "bfloat16"
-    kv_dtype: str = ""
-
-
 class Executor(Actor):
     name = "executor"
 
@@ -107,6 +98,7 @@ class Executor(Actor):
         self.failure = ""  # the last failed start's reason
         self._serial = itertools.count()
         self._runtime = Path(spec.runtime_dir or tempfile.mkdtemp(prefix="sluice-worker-"))
+        self.askers = Outboxes()  # whoever asked for the worker's state (the daemon at boot)
 
     def reset(self) -> None:
         self._retry_now = trio.Event()  # set by `Recover`: stop waiting before a retry
@@ -115,11 +107,23 @@ class Executor(Actor):
         self.step_started: float | None = None
 
     def handlers(self) -> dict[type, Handler]:
-        return {PlanFrame: self.on_plan, m.AskWorker: self.on_ask_worker, m.Recover: self.on_recover}
+        return {PlanFrame: self.on_plan, m.AskWorker: self.on_ask_worker, m.Recover: self.on_recover,
+                m.Ask: self.on_ask}
+
+    async def on_ask(self, msg: m.Ask) -> None:
+        if isinstance(msg.query, WorkerQuery):
+            self.askers.put(msg.reply_to, m.Reply(msg.token, WorkerState(
+                self.state, self.facts, self.failure)))
+
+    def close(self) -> None:
+        super().close()
+        self.askers.close()
 
     async def on_ask_worker(self, msg: m.AskWorker) -> None:
         if self.state == "ready":
-            self.scheduler.put(m.WorkerReady(self.restarts, self.pid or 0))
+            facts = self.facts
+            self.scheduler.put(m.WorkerReady(self.restarts, self.pid or 0, facts.dtype,
+                                             facts.kv_dtype))
         elif self.state == "failed":
             self.scheduler.put(m.WorkerFailed(self.failure, self.failed_starts))
 

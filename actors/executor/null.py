@@ -4,7 +4,8 @@ It answers every step plan at once with tokens from a fixed cycle (never EOS), s
 end by length. It exists to measure what the daemon itself costs per token (sockets, actors,
 scheduling, detokenizing, streaming); its output means nothing. It stands in for the worker
 process and speaks its protocol: it decodes each plan and encodes each result as the worker
-does, so the Scheduler's side of a step is the same with either executor.
+does, so the Scheduler's side of a step is the same with either executor. Asked for the
+worker's state (`WorkerQuery`) it answers with the facts it was configured with.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from collections.abc import Sequence
 
 import msgpack
 
-from sluice.actors.base import Actor, Handler, Outbox
+from sluice.actors.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
+from sluice.actors.reports import WorkerFacts, WorkerQuery, WorkerState
 from sluice.actors.scheduler.plan import SampledToken, StepResult
 from sluice.ipc import messages as m
 
@@ -22,11 +24,14 @@ from sluice.ipc import messages as m
 class NullExecutor(Actor):
     name = "executor"
 
-    def __init__(self, *, scheduler: Outbox, token_cycle: Sequence[int]):
+    def __init__(self, *, scheduler: Outbox, token_cycle: Sequence[int],
+                 facts: WorkerFacts | None = None):
         super().__init__()
         if not token_cycle:
             raise ValueError("token_cycle must not be empty")
         self.scheduler = scheduler
+        self.facts = facts
+        self.askers = Outboxes()  # whoever asked for the worker's state (the daemon at boot)
         self.token_cycle = tuple(token_cycle)
         self.restarts = -1
         self.state = "null"
@@ -37,7 +42,15 @@ class NullExecutor(Actor):
 
     def handlers(self) -> dict[type, Handler]:
         return {PlanFrame: self.on_plan, m.AskWorker: self.on_ask_worker,
-                m.Recover: self.on_recover}
+                m.Recover: self.on_recover, m.Ask: self.on_ask}
+
+    async def on_ask(self, msg: m.Ask) -> None:
+        if isinstance(msg.query, WorkerQuery):
+            self.askers.put(msg.reply_to, m.Reply(msg.token, WorkerState(self.state, self.facts)))
+
+    def close(self) -> None:
+        super().close()
+        self.askers.close()
 
     async def on_ask_worker(self, msg: m.AskWorker) -> None:
         self.scheduler.put(m.WorkerReady(self.restarts))  # a fake worker is always ready

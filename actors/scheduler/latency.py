@@ -1,31 +1,57 @@
 """Latency bookkeeping of the scheduler actor: time to first token, inter-token latency,
-iteration times, for `sluice status`, the console and the metrics histograms."""
+iteration times, for `sluice status`, the console and the metrics histograms.
+
+The histograms are kept here, by the actor that sees the samples, and leave it only inside
+the snapshots it is asked for: the metrics render what a snapshot says."""
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
-from collections.abc import Callable
 
 from sluice.actors.scheduler.scheduler import Scheduler
 from sluice.actors.scheduler.plan import RequestOutput, StepPlan
 
 
+LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                  10.0, 30.0)  # seconds
+TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+BATCH_BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+HISTOGRAM_BOUNDS = {"ttft": LATENCY_BOUNDS, "itl": LATENCY_BOUNDS, "iteration": LATENCY_BOUNDS,
+                    "prefill_chunk": TOKEN_BOUNDS, "decode_batch": BATCH_BOUNDS}
+
+
+class Buckets:
+    """One histogram: `counts[i]` values in (bounds[i-1], bounds[i]], a last count above
+    every bound, and their sum."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def add(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+
 class LatencyLog:
     """Time to first token, inter-token latency and output tokens, from the outputs emitted.
 
-    Keeps the latest samples for percentiles; `observers` get each sample as it happens
-    (`(kind, value, tenant)`, kind `ttft`, `itl`, `iteration`, `decode_batch` or
-    `prefill_chunk`), which is how metrics histograms fill. The tenant is "" for a tenant no
-    config or operator created, so label sets stay bounded whatever names clients invent.
+    Keeps the latest samples for percentiles and, with `histograms`, a histogram per kind
+    (`ttft`, `itl`, `iteration`, `decode_batch`, `prefill_chunk`) and tenant: `buckets`, keyed
+    `(kind, tenant)`. The tenant is "" for a tenant no config or operator created (and for
+    the per-step kinds), so label sets stay bounded whatever names clients invent.
     """
 
-    def __init__(self, keep: int = 2048):
+    def __init__(self, keep: int = 2048, *, histograms: bool = False):
         self.ttft: deque[float] = deque(maxlen=keep)
         self.itl: deque[float] = deque(maxlen=keep)
         self.tokens: deque[tuple[float, int]] = deque(maxlen=keep)  # (time, tokens)
         self.output_tokens = 0
         self.last_token: dict[str, float] = {}
-        self.observers: list[Callable[[str, float, str], None]] = []
+        self.histograms = histograms
+        self.buckets: dict[tuple[str, str], Buckets] = {}
 
     def record(self, core: Scheduler, outputs: list[RequestOutput]) -> None:
         now = core.clock()
@@ -47,17 +73,24 @@ class LatencyLog:
 
     def step(self, plan: StepPlan, seconds: float) -> None:
         """One executed iteration: its duration, prefill chunk sizes and decode batch size."""
-        for observer in self.observers:
-            observer("iteration", seconds, "")
-            observer("decode_batch", float(plan.decode_tokens), "")
-            for seq in plan.seqs:
-                if not (len(seq.token_ids) == 1 and seq.num_generated > 0):  # not a decode
-                    observer("prefill_chunk", float(len(seq.token_ids)), "")
+        if not self.histograms:
+            return
+        self._count("iteration", seconds, "")
+        self._count("decode_batch", float(plan.decode_tokens), "")
+        for seq in plan.seqs:
+            if not (len(seq.token_ids) == 1 and seq.num_generated > 0):  # not a decode
+                self._count("prefill_chunk", float(len(seq.token_ids)), "")
 
     def _observe(self, kind: str, seconds: float, tenant: str) -> None:
         (self.ttft if kind == "ttft" else self.itl).append(seconds)
-        for observer in self.observers:
-            observer(kind, seconds, tenant)
+        if self.histograms:
+            self._count(kind, seconds, tenant)
+
+    def _count(self, kind: str, value: float, tenant: str) -> None:
+        buckets = self.buckets.get((kind, tenant))
+        if buckets is None:
+            buckets = self.buckets[kind, tenant] = Buckets(HISTOGRAM_BOUNDS[kind])
+        buckets.add(value)
 
     def summary(self, now: float, window: float = 5.0) -> dict:
         recent = sum(n for t, n in self.tokens if now - t <= window)

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from sluice.actors import reports
 from sluice.actors.base import CODEC, Inbox
 from sluice.actors.scheduler.plan import (
     RequestOutput,
@@ -45,7 +46,10 @@ def roundtrip(msg):
     m.StepOutputs(tuple(RequestOutput(f"a/{i}", [i], finished=i == 2, finish_reason="length"
                                       if i == 2 else None, prompt_tokens=4) for i in range(3))),
     m.StepOutputs((RequestOutput("a/1", [7], logprobs=[SampledToken(7, -0.25, [(7, -0.25)])]),)),
-    m.Tick(),
+    reports.Backlog("tokenizer", 48),
+    m.Reply(3, reports.WorkerState("ready", reports.WorkerFacts(64, 16, 2048, 49152, "float32"))),
+    m.Reply(3, reports.WorkerState("failed", None, "worker exited with 1")),
+    reports.Histogram("itl", "a", (0.001, 0.01), (1, 0, 2), 0.125),
     m.WorkerLost("worker exited with -9"),
 ])  # fmt: skip
 def test_messages_come_back_equal(msg) -> None:
