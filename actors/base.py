@@ -31,6 +31,7 @@ import zmq
 from sluice.actors.executor import worker
 from sluice.actors.scheduler import plan
 from sluice.ipc import messages as m
+from sluice.ipc import vocabulary
 from sluice.ipc.internal import InternalCodec, dataclasses_of
 from sluice.ipc.sockets import Socket, context
 
@@ -40,7 +41,8 @@ Handler = Callable[[Any], Awaitable[None]]
 
 # everything actors may send each other: the messages, the step plan/result types and the
 # worker's frames
-CODEC = InternalCodec([*dataclasses_of(m), *dataclasses_of(plan), *dataclasses_of(worker)])
+CODEC = InternalCodec([*dataclasses_of(vocabulary), *dataclasses_of(m), *dataclasses_of(plan),
+                       *dataclasses_of(worker)])
 # Handed over, not encoded, between the actors of one process: a step's plan and result in
 # the worker's encoding (the executor relays their bytes), its outputs (built for the
 # tokenizer and given away), the chunks rendered from them, the client frames encoded from

@@ -1,7 +1,8 @@
 """The Tokenizer actor: text in, token ids to the Scheduler; token ids out, safe text deltas.
 
-Inbound it runs the model-dependent checks of `intake` (exactly one prompt form, sampling
-ranges, token ids inside the vocabulary), renders chat messages with the model's template
+Inbound it runs the model-dependent checks of `intake` (exactly one prompt form, token ids
+inside the vocabulary; the sampling parameters checked their own ranges as the codec built
+them), renders chat messages with the model's template
 and tokenizes. A long prompt is tokenized on one of a few worker threads while the actor
 goes on rendering everyone's output; the bytes of the prompts handed to those threads and
 not yet done are counted, and past `limits.max_pending_prompt_bytes` a new long prompt gets
@@ -33,11 +34,11 @@ import structlog
 import trio
 
 from sluice.actors.base import Actor, Handler, Inbox, Outboxes
-from sluice.actors.intake import check_prompt_form, sampling_from_wire
+from sluice.actors.intake import check_prompt_form
 from sluice.actors.limits import Limits, clip
-from sluice.actors.scheduler.plan import InvalidParams, SamplingParams
 from sluice.actors.text import RequestText
 from sluice.ipc import messages as m
+from sluice.ipc.vocabulary import InvalidParams
 
 log = structlog.get_logger("sluice.tokenizer")
 
@@ -124,8 +125,7 @@ class Tokenizer(Actor):
         self._nursery = nursery
         encodes, self._carry_encodes = self._carry_encodes, []
         for msg in encodes:  # already checked once; only their tokenizing starts over
-            self._start_long(msg, sampling_from_wire(msg.generate.sampling),
-                             prompt_bytes(msg.generate))
+            self._start_long(msg, prompt_bytes(msg.generate))
 
     def close(self) -> None:
         super().close()
@@ -153,17 +153,16 @@ class Tokenizer(Actor):
         request = msg.generate
         try:
             check_prompt_form(request, self.tokenizer.vocab_size)
-            sampling = sampling_from_wire(request.sampling)
             size = prompt_bytes(request)
             if size > LONG_PROMPT_BYTES:
-                self._start_long(msg, sampling, size)
+                self._start_long(msg, size)
             else:
-                self._admit(msg, sampling, self._work(request)())
+                self._admit(msg, self._work(request)())
         except InvalidParams as exc:
             self._reject_invalid(msg, exc)
         self.in_hand = None
 
-    def _start_long(self, msg: m.Encode, sampling: SamplingParams, size: int) -> None:
+    def _start_long(self, msg: m.Encode, size: int) -> None:
         """Tokenize on a worker thread while this actor goes on rendering everyone's output."""
         limit = self.limits.max_pending_prompt_bytes
         if self.pending_prompt_bytes + size > limit:
@@ -176,9 +175,9 @@ class Tokenizer(Actor):
         held = _Held(msg, size, trio.CancelScope())
         self.pending_prompt_bytes += size
         self.tokenizing[msg.request_id] = held
-        self._nursery.start_soon(self._tokenize_long, held, sampling)
+        self._nursery.start_soon(self._tokenize_long, held)
 
-    async def _tokenize_long(self, held: _Held, sampling: SamplingParams) -> None:
+    async def _tokenize_long(self, held: _Held) -> None:
         msg = held.encode
         with held.scope:  # cancelled while it waits for a thread: the thread is not taken
             try:
@@ -198,7 +197,7 @@ class Tokenizer(Actor):
                 raise
         if not held.scope.cancelled_caught and self._take_back(held):
             try:
-                self._admit(msg, sampling, prompt_ids)
+                self._admit(msg, prompt_ids)
             except InvalidParams as exc:
                 self._reject_invalid(msg, exc)
         # a cancelled task (a crash elsewhere, or shutdown) leaves its entry in `tokenizing`
@@ -220,10 +219,11 @@ class Tokenizer(Actor):
             return lambda: self.tokenizer.encode_chat(chat)
         return lambda: self.tokenizer.encode(request.prompt)
 
-    def _admit(self, msg: m.Encode, sampling: SamplingParams, prompt_ids: list[int]) -> None:
+    def _admit(self, msg: m.Encode, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise InvalidParams("prompt", "tokenizes to nothing")
         request = msg.generate
+        sampling = request.sampling
         self.requests[msg.request_id] = _Detok(
             request.request_id, msg.reply_to,
             RequestText(self.tokenizer, sampling.stop, len(prompt_ids)), msg.arrival,
@@ -233,11 +233,8 @@ class Tokenizer(Actor):
                                    request.priority, request.tenant, msg.arrival))
 
     def _reject_invalid(self, msg: m.Encode, exc: InvalidParams) -> None:
-        field = exc.field if exc.field.startswith(("prompt", "messages", "sampling")) else (
-            f"sampling.{exc.field}"
-        )
         self._deliver_one(msg.reply_to, m.Rejected(
-            msg.generate.request_id, m.RejectCode.INVALID, str(exc), field))
+            msg.generate.request_id, m.RejectCode.INVALID, str(exc), exc.field))
 
     async def on_admitted(self, msg: m.Admitted) -> None:
         state = self.requests.get(msg.request_id)

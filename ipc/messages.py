@@ -7,6 +7,8 @@ leave the process; they are here too so that the whole conversation of the syste
 read in one place. (The step plan and result the Scheduler and Executor exchange are the
 scheduler core's own types, in `sluice.actors.scheduler.plan`.) An actor is named in a
 message by the address of its inbox, never by an object. Enums on the wire are small ints.
+The sampling parameters are `vocabulary.SamplingParams`, the one type the client sends and
+the scheduler core and the worker use.
 
 Clocks: durations are seconds measured on the daemon's monotonic clock; no field carries a
 wall-clock timestamp.
@@ -20,8 +22,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from sluice.ipc.vocabulary import SamplingParams
+
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1  # 1.1: `Generate.sampling` may ask for `logprobs`
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 
@@ -56,24 +60,6 @@ class ChatMessage:
 
 
 @dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters as the client sends them; the daemon range-checks them."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 is greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()  # stop strings; never sent back to the client
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-
-@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -100,7 +86,7 @@ class Generate:
     prompt: str | None = None  # exactly one of prompt, messages, prompt_ids
     messages: tuple[ChatMessage, ...] | None = None  # rendered with the chat template
     prompt_ids: tuple[int, ...] | None = None
-    sampling: Sampling = Sampling()
+    sampling: SamplingParams = SamplingParams()  # range-checked as the frame is decoded
     priority: int = 0  # higher runs first under the priority policy
     tenant: str = "default"
     credits: int = 16  # chunks the client can take before its first Credit
@@ -380,7 +366,7 @@ class Admit:
     request_id: str  # daemon-wide id
     connection: bytes
     prompt_ids: tuple[int, ...]
-    sampling: Any  # the scheduler core's SamplingParams, already range-checked
+    sampling: SamplingParams  # the client's, as it arrived
     priority: int
     tenant: str
     arrival: float  # monotonic

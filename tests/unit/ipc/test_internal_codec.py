@@ -30,7 +30,7 @@ def roundtrip(msg):
 
 @pytest.mark.parametrize("msg", [
     m.Encode(m.Generate("r1", messages=(m.ChatMessage("user", "hi"),),
-                        sampling=m.Sampling(max_tokens=4, stop=("x",))),
+                        sampling=m.SamplingParams(max_tokens=4, stop=("x",))),
              "abcd/r1", b"\x00\xffconn", "inproc://stream", 12.5),
     m.Admit("abcd/r1", b"conn", (1, 2, 3), SAMPLING, 2, "tenant-a", 1.5),
     m.Release(("a/1", "a/2"), m.FinishReason.TIMEOUT),
