@@ -54,14 +54,7 @@ from sluice.ipc import messages as m
 log = structlog.get_logger("sluice.scheduler")
 _LOG_LIMITS = Limits()  # request ids carry the client's own id: logged cut to the default width
 
-REJECT_CODES = {
-    "invalid": m.RejectCode.INVALID,
-    "too_long": m.RejectCode.TOO_LONG,
-    "quota": m.RejectCode.QUOTA,
-    "overloaded": m.RejectCode.OVERLOADED,
-}
-REASON_NAMES = {reason: reason.name.lower() for reason in m.FinishReason}
-WORKER_FAILED = "worker_failed"  # finish reason of requests ended because no worker can start
+_CANCELLED = frozenset((m.FinishReason.CANCELLED, m.FinishReason.TIMEOUT))  # counted apart
 EPOCH_BITS = 32  # the step id sent to the executor: epoch << EPOCH_BITS | the core's step id
 
 
@@ -167,23 +160,19 @@ class SchedulerActor(Actor):
             self.core.add_request(request)
         except Rejected as exc:
             self.counters["rejected"] += 1
-            field = exc.message.split(":", 1)[0] if ":" in exc.message else ""
-            self.tokenizer.put(m.Refused(msg.request_id,
-                                         REJECT_CODES.get(exc.code, m.RejectCode.INVALID),
-                                         exc.message, field))
+            self.tokenizer.put(m.Refused(msg.request_id, exc.code, exc.message, exc.field))
             return
         self.counters["accepted"] += 1
         self.tokenizer.put(m.Admitted(msg.request_id, len(msg.prompt_ids)))
         self._maybe_step()
 
     async def on_release(self, msg: m.Release) -> None:
-        reason = REASON_NAMES[msg.reason]
         self._emit([out for rid in msg.request_ids
-                    if (out := self.core.abort(rid, reason=reason)) is not None])
+                    if (out := self.core.abort(rid, msg.reason)) is not None])
         self._maybe_step()
 
     async def on_finish(self, msg: m.Finish) -> None:
-        out = self.core.finish(msg.request_id, reason="stop")
+        out = self.core.finish(msg.request_id)
         if out is not None:
             self.counters["finished"] += 1  # the tokenizer already sent the Finished
             _log_end(out)
@@ -262,8 +251,9 @@ class SchedulerActor(Actor):
         self.worker_failure = msg.reason
         self.worker_pid = 0
         rids = list(self.core.requests)
+        why = worker_failed_message(msg.reason)  # what their clients' `Error` says
         self._emit([out for rid in rids
-                    if (out := self.core.abort(rid, reason=WORKER_FAILED)) is not None])
+                    if (out := self.core.abort(rid, m.FinishReason.ERROR, why)) is not None])
         if first or rids:
             log.error("worker failed: requests are refused until it recovers",
                       attempts=msg.attempts, reason=msg.reason, ended=len(rids))
@@ -313,7 +303,7 @@ class SchedulerActor(Actor):
         self.latency.record(self.core, outputs)
         for out in outputs:
             if out.finished:
-                key = "cancelled" if out.finish_reason in ("cancelled", "timeout") else "finished"
+                key = "cancelled" if out.finish_reason in _CANCELLED else "finished"
                 self.counters[key] += 1
                 _log_end(out)
         self.tokenizer.put(m.StepOutputs(tuple(outputs)))
@@ -394,7 +384,8 @@ class SchedulerActor(Actor):
 
     async def on_crash(self, exc: BaseException) -> None:
         rids = list(self.core.requests)
-        self._emit([RequestOutput(rid, [], finished=True, finish_reason="error") for rid in rids])
+        self._emit([RequestOutput(rid, [], finished=True, finish_reason=m.FinishReason.ERROR)
+                    for rid in rids])
         log.error("scheduler lost its requests", count=len(rids))
 
 
@@ -406,6 +397,6 @@ def worker_failed_message(reason: str) -> str:
 def _log_end(out: RequestOutput) -> None:
     """One line per ended request: ids, reason and lengths, never its text."""
     log.info("request ended", request_id=clip(out.request_id, _LOG_LIMITS),
-             reason=out.finish_reason,
+             reason=out.finish_reason.name.lower() if out.finish_reason else None,
              prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
              preemptions=out.preemptions)

@@ -42,19 +42,7 @@ from sluice.ipc.vocabulary import InvalidParams
 
 log = structlog.get_logger("sluice.tokenizer")
 
-FINISH_REASONS = {
-    "stop": m.FinishReason.STOP,
-    "length": m.FinishReason.LENGTH,
-    "cancelled": m.FinishReason.CANCELLED,
-    "abort": m.FinishReason.CANCELLED,
-    "timeout": m.FinishReason.TIMEOUT,
-    "error": m.FinishReason.ERROR,
-    "preempted_abort": m.FinishReason.PREEMPTED_ABORT,
-    "worker_failed": m.FinishReason.ERROR,
-}
-ERROR_MESSAGES = {  # what the client's `Error` says, by the scheduler's finish reason
-    "worker_failed": "the worker failed: it could not be started; the daemon retries it",
-}
+FAILED_IN_DAEMON = "the request failed in the daemon"  # an ERROR end that says no more
 # Longer prompts are tokenized on a worker thread; shorter ones take less time than the
 # thread hand-off would.
 LONG_PROMPT_BYTES = 4096
@@ -322,12 +310,11 @@ class Tokenizer(Actor):
                 self._end(out.request_id)
                 return
         if out.finished:
-            reason = FINISH_REASONS.get(out.finish_reason or "", m.FinishReason.ERROR)
-            if rest := state.text.end(reason.name.lower()):
+            reason = out.finish_reason or m.FinishReason.ERROR
+            if rest := state.text.end(reason):
                 sent.append(m.Chunk(state.client_id, rest, ()))
             if reason is m.FinishReason.ERROR:
-                sent.append(m.Error(state.client_id, ERROR_MESSAGES.get(
-                    out.finish_reason, "the request failed in the daemon")))
+                sent.append(m.Error(state.client_id, out.error or FAILED_IN_DAEMON))
             sent.append(self._finished(out, state, reason, now))
             self._end(out.request_id)
 

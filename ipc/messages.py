@@ -7,8 +7,9 @@ leave the process; they are here too so that the whole conversation of the syste
 read in one place. (The step plan and result the Scheduler and Executor exchange are the
 scheduler core's own types, in `sluice.actors.scheduler.plan`.) An actor is named in a
 message by the address of its inbox, never by an object. Enums on the wire are small ints.
-The sampling parameters are `vocabulary.SamplingParams`, the one type the client sends and
-the scheduler core and the worker use.
+The sampling parameters (`SamplingParams`) and the codes `FinishReason` and `RejectCode` are
+defined in `vocabulary` and used here as they are: they are the same objects in the client
+library, the actors and the scheduler core, from the frame to the worker and back.
 
 Clocks: durations are seconds measured on the daemon's monotonic clock; no field carries a
 wall-clock timestamp.
@@ -18,36 +19,14 @@ What does not belong here: encoding (see `codec`), sockets, anything from `sluic
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sluice.ipc.vocabulary import SamplingParams
+from sluice.ipc.vocabulary import FinishReason, RejectCode, SamplingParams
 
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 1  # 1.1: `Generate.sampling` may ask for `logprobs`
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
-
-
-class RejectCode(enum.IntEnum):
-    """Why a request or frame was refused before any work was done for it."""
-
-    INVALID = 1  # malformed frame or out-of-range parameter; `field` names it
-    TOO_LONG = 2  # prompt plus max_tokens exceed the model's context
-    OVERLOADED = 3  # queue full
-    DRAINING = 4  # the daemon is shutting down or drained by an operator
-    QUOTA = 5  # the tenant is over its limits
-    UNAUTHORIZED = 6
-    PROTOCOL_VERSION = 7  # the frame's major version differs from the daemon's
-
-
-class FinishReason(enum.IntEnum):
-    STOP = 1  # EOS, a stop token or a stop string
-    LENGTH = 2  # max_tokens or the model's context reached
-    CANCELLED = 3  # the client cancelled, or went away
-    TIMEOUT = 4  # paused by backpressure longer than pause_timeout
-    ERROR = 5  # an actor or the worker failed for this request
-    PREEMPTED_ABORT = 6  # preempted and could not be resumed
 
 
 # -- nested wire values ---------------------------------------------------------------------

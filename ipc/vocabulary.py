@@ -1,10 +1,11 @@
 """The values the client protocol and the scheduler core both speak.
 
 A client's sampling parameters travel unchanged from the frame that carries them to the
-worker that samples with them; the scheduler core (`sluice.actors.scheduler`) imports this
-module, and `messages` puts the same types on the wire. So that both may import it, it
-imports nothing of sluice and nothing but the standard library: no sockets, no trio, no
-msgpack.
+worker that samples with them; a request ends with the `FinishReason`, or is refused with the
+`RejectCode`, that the scheduler core chose, and the client receives that value, never a
+spelling of it. The scheduler core (`sluice.actors.scheduler`) imports this module and
+`messages` puts the same types on the wire, so it imports nothing of sluice and nothing but
+the standard library: no sockets, no trio, no msgpack.
 
 What does not belong here: messages (see `messages`), encoding (see `codec`).
 """
@@ -12,8 +13,30 @@ What does not belong here: messages (see `messages`), encoding (see `codec`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from dataclasses import dataclass
+
+
+class RejectCode(enum.IntEnum):
+    """Why a request or frame was refused before any work was done for it."""
+
+    INVALID = 1  # malformed frame or out-of-range parameter; `field` names it
+    TOO_LONG = 2  # prompt plus max_tokens exceed the model's context
+    OVERLOADED = 3  # queue full
+    DRAINING = 4  # the daemon is shutting down or drained by an operator
+    QUOTA = 5  # the tenant is over its limits
+    UNAUTHORIZED = 6
+    PROTOCOL_VERSION = 7  # the frame's major version differs from the daemon's
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 1  # EOS, a stop token or a stop string
+    LENGTH = 2  # max_tokens or the model's context reached
+    CANCELLED = 3  # the client cancelled, or went away
+    TIMEOUT = 4  # paused by backpressure longer than pause_timeout
+    ERROR = 5  # an actor or the worker failed for this request
+    PREEMPTED_ABORT = 6  # preempted and could not be resumed
 
 
 class InvalidParams(ValueError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sluice.ipc.vocabulary import InvalidParams, SamplingParams
+from sluice.ipc.vocabulary import FinishReason, InvalidParams, SamplingParams
 
 __all__ = ["InvalidParams", "RequestOutput", "SampledToken", "SamplingParams", "ScheduledSeq",
            "StepPlan", "StepResult"]
@@ -129,23 +129,27 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | cancelled | timeout | error | ...
+    finish_reason: FinishReason | None = None
     logprobs: list[SampledToken] | None = None
     # accounting, filled at least on the finishing output
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     preemptions: int = 0
     recomputed_tokens: int = 0
+    error: str = ""  # what the client's `Error` says when it ended with ERROR ("": a default)
 
     def to_plain(self) -> list:
         logprobs = None if self.logprobs is None else [t.to_plain() for t in self.logprobs]
         return [self.request_id, self.new_token_ids, self.finished, self.finish_reason, logprobs,
-                self.prompt_tokens, self.cached_tokens, self.preemptions, self.recomputed_tokens]
+                self.prompt_tokens, self.cached_tokens, self.preemptions, self.recomputed_tokens,
+                self.error]
 
     @classmethod
     def from_plain(cls, plain: list | tuple) -> RequestOutput:
-        rid, tokens, finished, reason, logprobs, prompt, cached, preemptions, recomputed = plain
+        rid, tokens, finished, reason, logprobs, prompt, cached, preemptions, recomputed, error = (
+            plain
+        )
         if logprobs is not None:
             logprobs = [SampledToken.from_plain(t) for t in logprobs]
-        return cls(rid, list(tokens), finished, reason, logprobs, prompt, cached, preemptions,
-                   recomputed)
+        return cls(rid, list(tokens), finished, None if reason is None else FinishReason(reason),
+                   logprobs, prompt, cached, preemptions, recomputed, error)

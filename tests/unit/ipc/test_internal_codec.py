@@ -42,7 +42,7 @@ def roundtrip(msg):
     m.Operate(m.CancelCommand("a/1"), "inproc://control", 5, frozenset({b"a", b"b"})),
     m.Operate("release_all"),
     m.Reply(5, m.CommandReply("cancel", True, "cancelled a/1")),
-    m.StepOutputs(tuple(RequestOutput(f"a/{i}", [i], finished=i == 2, finish_reason="length"
+    m.StepOutputs(tuple(RequestOutput(f"a/{i}", [i], finished=i == 2, finish_reason=m.FinishReason.LENGTH
                                       if i == 2 else None, prompt_tokens=4) for i in range(3))),
     m.StepOutputs((RequestOutput("a/1", [7], logprobs=[SampledToken(7, -0.25, [(7, -0.25)])]),)),
     m.Tick(),
