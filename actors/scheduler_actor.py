@@ -46,7 +46,7 @@ from sluice.actors import scheduler_commands as commands
 from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_result, encode_plan
 from sluice.actors.limits import Limits, clip
-from sluice.actors.scheduler import Rejected, Request, Scheduler
+from sluice.actors.scheduler import AdmissionError, Request, Scheduler
 from sluice.actors.scheduler.latency import LatencyLog
 from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult
 from sluice.ipc import messages as m
@@ -91,7 +91,7 @@ class SchedulerActor(Actor):
         self.epoch += 1
         self.core = self.make_core()
         self.in_flight: StepPlan | None = None
-        self.deferred: list[m.Pause | m.Resume] = []
+        self.deferred: list[m.PauseDecoding | m.ResumeDecoding] = []
         self.between_steps: list[Callable[[], None]] = []  # checks that wait for no step
         self.worker_ready = self.initial_worker_ready
         self.worker_state = "ready" if self.worker_ready else "starting"
@@ -108,9 +108,9 @@ class SchedulerActor(Actor):
         return {
             m.Admit: self.on_admit,
             m.Release: self.on_release,
-            m.Finish: self.on_finish,
-            m.Pause: self.on_pause_or_resume,
-            m.Resume: self.on_pause_or_resume,
+            m.StopMatched: self.on_stop_matched,
+            m.PauseDecoding: self.on_pause_or_resume,
+            m.ResumeDecoding: self.on_pause_or_resume,
             ResultFrame: self.on_result_frame,
             m.WorkerLost: self.on_worker_lost,
             m.WorkerReady: self.on_worker_ready,
@@ -118,7 +118,7 @@ class SchedulerActor(Actor):
             m.Drain: self.on_drain,
             m.Ask: self.on_ask,
             m.Operate: self.on_operate,
-            m.Undrain: self.on_undrain,
+            m.EndDrain: self.on_end_drain,
             m.Tick: self.on_tick,
         }
 
@@ -146,21 +146,21 @@ class SchedulerActor(Actor):
     async def on_admit(self, msg: m.Admit) -> None:
         if self.draining:
             self.counters["rejected"] += 1
-            self.tokenizer.put(m.Refused(msg.request_id, m.RejectCode.DRAINING,
+            self.tokenizer.put(m.AdmissionRefused(msg.request_id, m.RejectCode.DRAINING,
                                          "the daemon is draining"))
             return
         if self.worker_state == "failed":
             self.counters["rejected"] += 1
-            self.tokenizer.put(m.Refused(msg.request_id, m.RejectCode.OVERLOADED,
+            self.tokenizer.put(m.AdmissionRefused(msg.request_id, m.RejectCode.OVERLOADED,
                                          worker_failed_message(self.worker_failure)))
             return
         request = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
                           tenant=msg.tenant, priority=msg.priority)
         try:
             self.core.add_request(request)
-        except Rejected as exc:
+        except AdmissionError as exc:
             self.counters["rejected"] += 1
-            self.tokenizer.put(m.Refused(msg.request_id, exc.code, exc.message, exc.field))
+            self.tokenizer.put(m.AdmissionRefused(msg.request_id, exc.code, exc.message, exc.field))
             return
         self.counters["accepted"] += 1
         self.tokenizer.put(m.Admitted(msg.request_id, len(msg.prompt_ids)))
@@ -171,22 +171,22 @@ class SchedulerActor(Actor):
                     if (out := self.core.abort(rid, msg.reason)) is not None])
         self._maybe_step()
 
-    async def on_finish(self, msg: m.Finish) -> None:
+    async def on_stop_matched(self, msg: m.StopMatched) -> None:
         out = self.core.finish(msg.request_id)
         if out is not None:
             self.counters["finished"] += 1  # the tokenizer already sent the Finished
             _log_end(out)
         self._maybe_step()
 
-    async def on_pause_or_resume(self, msg: m.Pause | m.Resume) -> None:
+    async def on_pause_or_resume(self, msg: m.PauseDecoding | m.ResumeDecoding) -> None:
         if self.in_flight is not None:
             self.deferred.append(msg)
             return
         self._apply_pause_or_resume(msg)
         self._maybe_step()
 
-    def _apply_pause_or_resume(self, msg: m.Pause | m.Resume) -> None:
-        if isinstance(msg, m.Pause):
+    def _apply_pause_or_resume(self, msg: m.PauseDecoding | m.ResumeDecoding) -> None:
+        if isinstance(msg, m.PauseDecoding):
             self.core.pause(msg.request_id)
         else:
             self.core.resume(msg.request_id)
@@ -375,7 +375,7 @@ class SchedulerActor(Actor):
     async def on_drain(self, msg: m.Drain) -> None:
         self.draining = True
 
-    async def on_undrain(self, msg: m.Undrain) -> None:
+    async def on_end_drain(self, msg: m.EndDrain) -> None:
         self.draining = False
 
     def close(self) -> None:

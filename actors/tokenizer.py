@@ -10,9 +10,9 @@ not yet done are counted, and past `limits.max_pending_prompt_bytes` a new long 
 detokenizer per request, so a chunk never splits a UTF-8 character and a stop string is held
 back until it can no longer match and is never sent; a matched stop string ends the request.
 
-It is also the one route from a request's Stream to the Scheduler: `Release`, `Pause` and
-`Resume` come here in order behind the request's `Encode`. A request still held here (a long
-prompt on a thread or waiting for one) ends here: its tokenizing is called off, its bytes
+It is also the one route from a request's Stream to the Scheduler: `Release`,
+`PauseDecoding` and `ResumeDecoding` come here in order behind the request's `Encode`. A
+request still held here (a long prompt on a thread or waiting for one) ends here: its tokenizing is called off, its bytes
 are given back and its Stream gets the `Finished`; one already admitted has the message
 forwarded to the Scheduler behind its `Admit`, so nothing about a request overtakes it; one
 that already ended has its end on the way to the Stream, and the message is dropped.
@@ -124,11 +124,11 @@ class Tokenizer(Actor):
         return {
             m.Encode: self.on_encode,
             m.Admitted: self.on_admitted,
-            m.Refused: self.on_refused,
+            m.AdmissionRefused: self.on_admission_refused,
             m.StepOutputs: self.on_step_outputs,
             m.Release: self.on_release,
-            m.Pause: self.on_pause_or_resume,
-            m.Resume: self.on_pause_or_resume,
+            m.PauseDecoding: self.on_pause_or_resume,
+            m.ResumeDecoding: self.on_pause_or_resume,
             m.Ask: self.on_ask,
         }
 
@@ -230,7 +230,7 @@ class Tokenizer(Actor):
             state.admitted_at = trio.current_time()
             self._deliver_one(state.reply_to, m.Accepted(state.client_id, msg.prompt_tokens))
 
-    async def on_refused(self, msg: m.Refused) -> None:
+    async def on_admission_refused(self, msg: m.AdmissionRefused) -> None:
         state = self._end(msg.request_id)
         if state is not None:
             self._deliver_one(state.reply_to, m.Rejected(state.client_id, msg.code, msg.message,
@@ -254,7 +254,7 @@ class Tokenizer(Actor):
             self.scheduler.put(m.Release(tuple(forward), msg.reason))
         self._deliver()
 
-    async def on_pause_or_resume(self, msg: m.Pause | m.Resume) -> None:
+    async def on_pause_or_resume(self, msg: m.PauseDecoding | m.ResumeDecoding) -> None:
         # only an admitted request has chunks to pause for
         if msg.request_id in self.requests:
             self.scheduler.put(msg)
@@ -305,7 +305,7 @@ class Tokenizer(Actor):
                 logprobs = tuple(float(t.logprob or 0.0) for t in out.logprobs)
             sent.append(m.Chunk(state.client_id, text, tuple(out.new_token_ids), logprobs))
             if state.text.stopped:
-                self.scheduler.put(m.Finish(out.request_id))
+                self.scheduler.put(m.StopMatched(out.request_id))
                 sent.append(self._finished(out, state, m.FinishReason.STOP, now))
                 self._end(out.request_id)
                 return

@@ -362,15 +362,17 @@ class Release:
 
 
 @dataclass(frozen=True)
-class Pause:
-    """Stream -> Tokenizer -> Scheduler: stop decoding the request; its KV stays."""
+class PauseDecoding:
+    """Stream -> Tokenizer -> Scheduler: stop decoding the request (its client is slow); its
+    KV stays."""
 
     request_id: str
 
 
 @dataclass(frozen=True)
-class Resume:
-    """Stream -> Tokenizer -> Scheduler: decode a paused request again."""
+class ResumeDecoding:
+    """Stream -> Tokenizer -> Scheduler: decode a paused request again (not `ResumeCommand`,
+    the operator's end of a drain)."""
 
     request_id: str
 
@@ -420,17 +422,13 @@ class AskWorker:
 
 @dataclass(frozen=True)
 class Drain:
-    deadline: float | None = None  # seconds; None waits for every running request
+    """Daemon or Control -> Gateway and Scheduler: admit nothing new (the deadline, if any,
+    is kept by whoever sent this)."""
 
 
 @dataclass(frozen=True)
 class Snapshot:
     report: StatusReport
-
-
-@dataclass(frozen=True)
-class Reconcile:
-    pass
 
 
 @dataclass(frozen=True)
@@ -470,8 +468,9 @@ class Admitted:
 
 
 @dataclass(frozen=True)
-class Refused:
-    """Scheduler -> Tokenizer: the core refused the request (too long, quota, overloaded...)."""
+class AdmissionRefused:
+    """Scheduler -> Tokenizer: the core refused the request (too long, quota, overloaded...);
+    the Tokenizer tells the client with a `Rejected`."""
 
     request_id: str
     code: RejectCode
@@ -487,8 +486,9 @@ class StepOutputs:
 
 
 @dataclass(frozen=True)
-class Finish:
-    """Tokenizer -> Scheduler: a stop string matched; end the request with `stop`."""
+class StopMatched:
+    """Tokenizer -> Scheduler: a stop string matched; end the request with STOP (its client
+    has its `Finished` already)."""
 
     request_id: str
 
@@ -549,8 +549,8 @@ class Connections:
 
 
 @dataclass(frozen=True)
-class Undrain:
-    """Control -> Gateway and Scheduler: admit again."""
+class EndDrain:
+    """Control -> Gateway and Scheduler: admit again (what `ResumeCommand` asks for)."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Typed rejections of `Scheduler.add_request`: one subclass per code the client gets back.
+"""Typed refusals of `Scheduler.add_request`: one subclass per code the client gets back.
 
 Each carries its `RejectCode`, the `field` it is about (dotted, as the client named it, e.g.
 "max_tokens") and a human `message`; nobody reads a field out of the text.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from sluice.ipc.vocabulary import RejectCode
 
 
-class Rejected(Exception):
+class AdmissionError(Exception):
     """A request the scheduler will not take."""
 
     code: RejectCode = RejectCode.INVALID
@@ -20,17 +20,17 @@ class Rejected(Exception):
         super().__init__(f"{self.code.name.lower()}: {self.message}")
 
 
-class InvalidRequest(Rejected):
+class InvalidRequest(AdmissionError):
     code = RejectCode.INVALID
 
 
-class TooLong(Rejected):
+class TooLong(AdmissionError):
     code = RejectCode.TOO_LONG
 
 
-class Quota(Rejected):
+class Quota(AdmissionError):
     code = RejectCode.QUOTA
 
 
-class Overloaded(Rejected):
+class Overloaded(AdmissionError):
     code = RejectCode.OVERLOADED

@@ -34,7 +34,7 @@ def roundtrip(msg):
              "abcd/r1", b"\x00\xffconn", "inproc://stream", 12.5),
     m.Admit("abcd/r1", b"conn", (1, 2, 3), SAMPLING, 2, "tenant-a", 1.5),
     m.Release(("a/1", "a/2"), m.FinishReason.TIMEOUT),
-    m.Refused("a/1", m.RejectCode.TOO_LONG, "prompt too long", "prompt"),
+    m.AdmissionRefused("a/1", m.RejectCode.TOO_LONG, "prompt too long", "prompt"),
     m.Deliver((m.Accepted("r1", 7), CHUNK, CHUNK, FINISHED)),
     m.Deliver((CHUNK, CHUNK, CHUNK)),
     m.Outbound(b"conn", (b"frame-1", b"frame-2")),

@@ -9,7 +9,7 @@ from sluice.actors.scheduler import (
     InvalidRequest,
     Overloaded,
     Quota,
-    Rejected,
+    AdmissionError,
     Request,
     RequestState,
     SchedulerConfig,
@@ -210,7 +210,7 @@ def test_rejections_are_typed_and_name_the_field(make_sched, make_request, error
     )
     with pytest.raises(error) as info:
         sched.add_request(make_request())
-    assert isinstance(info.value, Rejected)
+    assert isinstance(info.value, AdmissionError)
     assert info.value.field == field and field in info.value.message
     assert info.value.code in (RejectCode.INVALID, RejectCode.TOO_LONG, RejectCode.QUOTA)
     sched.add_request(req("ok"))  # keeps serving
