@@ -41,7 +41,7 @@ SNAPSHOT_INTERVAL = 0.25  # seconds between snapshots to subscribers
 class ControlHooks:
     """What the daemon lets the Control actor do beyond messages."""
 
-    gateway: Outbox | None = None  # told Drain / Undrain, asked for live connections
+    gateway: Outbox | None = None  # told Drain / EndDrain, asked for live connections
     recover: Callable[[], Awaitable[str]] | None = None  # restart the worker; a line to report
     # debug-only faults by kind; None when the daemon does not allow fault injection
     faults: dict[str, Callable[[], Awaitable[str]]] | None = None
@@ -222,7 +222,7 @@ class Control(Actor):
             return await self.snapshot()
         if isinstance(command, m.DrainCommand):
             if hooks.gateway is not None:
-                hooks.gateway.put(m.Drain(command.deadline))
+                hooks.gateway.put(m.Drain())
             answer = await self._operate(command)
             if command.deadline is not None:
                 self._nursery.start_soon(self._drain_deadline, command.deadline, self.drain_epoch)
@@ -231,8 +231,8 @@ class Control(Actor):
         if isinstance(command, m.ResumeCommand):
             self.drain_epoch += 1
             if hooks.gateway is not None:
-                hooks.gateway.put(m.Undrain())
-            self.scheduler.put(m.Undrain())
+                hooks.gateway.put(m.EndDrain())
+            self.scheduler.put(m.EndDrain())
             log.info("resume")
             return m.CommandReply("resume", True, "admitting again")
         if isinstance(command, m.RecoverCommand):

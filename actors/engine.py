@@ -1,7 +1,8 @@
 """The in-process engine: scheduler core + model runner + text, with a step-level API.
 
 Used by offline generation, benchmarks and tests, and as the reference the daemon's output
-is compared with. The daemon splits the same parts across actors and a worker process; this
+is compared with. Its outputs name how a request ended as the client library does ("stop",
+"length", "cancelled", ...): the core's `FinishReason`, spelled once, here at the edge. The daemon splits the same parts across actors and a worker process; this
 file stays free of sockets and threads.
 """
 
@@ -16,6 +17,7 @@ from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
 from sluice.actors.scheduler.errors import InvalidRequest
 from sluice.actors.scheduler.plan import InvalidParams, RequestOutput, SamplingParams, StepResult
 from sluice.actors.text import RequestText, Tokenizer, load_tokenizer
+from sluice.ipc.vocabulary import FinishReason
 
 
 @dataclass
@@ -80,10 +82,10 @@ class Engine:
         try:
             ids = self._prompt_ids(prompt, messages, prompt_token_ids)
         except InvalidParams as exc:
-            raise InvalidRequest(str(exc)) from exc
+            raise InvalidRequest(exc.field, exc.message) from exc
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._tracked:
-            raise InvalidRequest(f"request_id: {request_id!r} is already in use")
+            raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         self.scheduler.add_request(Request(request_id, ids, sampling, tenant=tenant,
                                            priority=priority))
         self._tracked[request_id] = _Tracked(RequestText(self.tokenizer, sampling.stop, len(ids)),
@@ -107,7 +109,8 @@ class Engine:
             raise InvalidParams("prompt_token_ids", f"{bad[0]!r} is not a token id in [0, {vocab})")
         return ids
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> EngineOutput | None:
+    def abort(self, request_id: str,
+              reason: FinishReason = FinishReason.CANCELLED) -> EngineOutput | None:
         out = self.scheduler.abort(request_id, reason)
         return self._track(out) if out is not None else None
 
@@ -124,20 +127,20 @@ class Engine:
         tracked = self._tracked.get(out.request_id)
         if tracked is None:
             return EngineOutput(out.request_id, out.new_token_ids, "", out.finished,
-                                out.finish_reason)
+                                _spelled(out.finish_reason))
         text, completion = tracked.text, tracked.completion
         delta = text.push(out.new_token_ids)
         if text.stopped and not out.finished:
             # a stop string ended the text: end the request in this same iteration
-            stopped = self.scheduler.finish(out.request_id, "stop")
+            stopped = self.scheduler.finish(out.request_id)
             if stopped is not None:
                 stopped.new_token_ids = out.new_token_ids
                 out = stopped
         completion.token_ids.extend(out.new_token_ids)
         usage = None
         if out.finished:
-            delta += text.end(out.finish_reason or "")
-            completion.finish_reason = out.finish_reason
+            delta += text.end(out.finish_reason)
+            completion.finish_reason = _spelled(out.finish_reason)
             completion.text = text.text
             usage = dataclasses.asdict(text.usage(out.cached_tokens, out.recomputed_tokens))
             usage["preemptions"] = out.preemptions
@@ -146,7 +149,7 @@ class Engine:
             if out.request_id in self._awaited:
                 self._finished[out.request_id] = completion
         return EngineOutput(out.request_id, out.new_token_ids, delta, out.finished,
-                            out.finish_reason, usage)
+                            _spelled(out.finish_reason), usage)
 
     def generate(self, prompts: list, sampling: SamplingParams | list[SamplingParams] | None = None,
                  *, chat: bool = False) -> list[Completion]:
@@ -172,3 +175,8 @@ class Engine:
             return [self._finished.pop(i) for i in ids]
         finally:
             self._awaited.difference_update(ids)
+
+
+def _spelled(reason: FinishReason | None) -> str | None:
+    """How the client library names a finish reason ("length"), for the engine's outputs."""
+    return None if reason is None else reason.name.lower()

@@ -144,7 +144,7 @@ class Gateway(Actor):
             m.Outbound: self.on_outbound,
             m.StreamClosed: self.on_stream_closed,
             m.Drain: self.on_drain,
-            m.Undrain: self.on_undrain,
+            m.EndDrain: self.on_end_drain,
             m.Ask: self.on_ask,
             m.Operate: self.on_operate,
         }
@@ -214,7 +214,7 @@ class Gateway(Actor):
     async def on_drain(self, msg: m.Drain) -> None:
         self.draining = True
 
-    async def on_undrain(self, msg: m.Undrain) -> None:
+    async def on_end_drain(self, msg: m.EndDrain) -> None:
         self.draining = False
 
     async def on_ask(self, msg: m.Ask) -> None:

@@ -7,8 +7,11 @@ once where the request enters the actor that can make it:
   name, prompt and stop strings; counts of chat messages and stop strings) and answers with
   the `Rejected` the client should get, naming the offending field, or `None`. The Stream
   calls it before anything is held for the request.
-- `check_prompt_form` and `sampling_from_wire` need the model (its vocabulary) and raise
-  `InvalidParams` naming the field; the Tokenizer calls them before tokenizing.
+- `check_prompt_form` needs the model (its vocabulary) and raises `InvalidParams` naming
+  the field; the Tokenizer calls it before tokenizing.
+
+The sampling parameters' own ranges are not checked here: `SamplingParams` checks them as
+the codec builds it from the frame, and the request carries that object to the worker.
 
 Checks that need the daemon's state (prompt bytes waiting to be tokenized, queues, tenants,
 the model's context) belong to the actors that own that state, not here.
@@ -17,7 +20,7 @@ the model's context) belong to the actors that own that state, not here.
 from __future__ import annotations
 
 from sluice.actors.limits import Limits
-from sluice.actors.scheduler.plan import InvalidParams, SamplingParams
+from sluice.ipc.vocabulary import InvalidParams
 from sluice.ipc import messages as m
 
 
@@ -64,24 +67,6 @@ def check_generate(msg: m.Generate, limits: Limits) -> m.Rejected | None:
             return _refuse(msg, invalid, f"sampling.stop[{i}]", f"{len(stop)} characters",
                            "max_stop_string_chars", limits.max_stop_string_chars)
     return None
-
-
-def sampling_from_wire(wire: m.Sampling) -> SamplingParams:
-    """The scheduler's parameters from the client's; `InvalidParams` names a bad field."""
-    return SamplingParams(
-        max_tokens=wire.max_tokens,
-        temperature=wire.temperature,
-        top_p=wire.top_p,
-        top_k=wire.top_k,
-        min_p=wire.min_p,
-        seed=wire.seed,
-        stop=wire.stop,
-        stop_token_ids=wire.stop_token_ids,
-        ignore_eos=wire.ignore_eos,
-        repetition_penalty=wire.repetition_penalty,
-        presence_penalty=wire.presence_penalty,
-        frequency_penalty=wire.frequency_penalty,
-    )
 
 
 def check_prompt_form(msg: m.Generate, vocab_size: int) -> None:

@@ -50,7 +50,7 @@ from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_result, encode_plan
 from sluice.actors.limits import Limits, clip
 from sluice.actors.reports import Backlog, Histogram, MetricsQuery, MetricsSnapshot
-from sluice.actors.scheduler import Rejected, Request, Scheduler
+from sluice.actors.scheduler import AdmissionError, Request, Scheduler
 from sluice.actors.scheduler.latency import LatencyLog
 from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult
 from sluice.ipc import messages as m
@@ -58,14 +58,7 @@ from sluice.ipc import messages as m
 log = structlog.get_logger("sluice.scheduler")
 _LOG_LIMITS = Limits()  # request ids carry the client's own id: logged cut to the default width
 
-REJECT_CODES = {
-    "invalid": m.RejectCode.INVALID,
-    "too_long": m.RejectCode.TOO_LONG,
-    "quota": m.RejectCode.QUOTA,
-    "overloaded": m.RejectCode.OVERLOADED,
-}
-REASON_NAMES = {reason: reason.name.lower() for reason in m.FinishReason}
-WORKER_FAILED = "worker_failed"  # finish reason of requests ended because no worker can start
+_CANCELLED = frozenset((m.FinishReason.CANCELLED, m.FinishReason.TIMEOUT))  # counted apart
 EPOCH_BITS = 32  # the step id sent to the executor: epoch << EPOCH_BITS | the core's step id
 
 
@@ -103,7 +96,7 @@ class SchedulerActor(Actor):
         self.epoch += 1
         self.core = self.make_core()
         self.in_flight: StepPlan | None = None
-        self.deferred: list[m.Pause | m.Resume] = []
+        self.deferred: list[m.PauseDecoding | m.ResumeDecoding] = []
         self.between_steps: list[Callable[[], None]] = []  # checks that wait for no step
         self.worker_ready = self.initial_worker_ready
         self.worker_state = "ready" if self.worker_ready else "starting"
@@ -120,9 +113,9 @@ class SchedulerActor(Actor):
         return {
             m.Admit: self.on_admit,
             m.Release: self.on_release,
-            m.Finish: self.on_finish,
-            m.Pause: self.on_pause_or_resume,
-            m.Resume: self.on_pause_or_resume,
+            m.StopMatched: self.on_stop_matched,
+            m.PauseDecoding: self.on_pause_or_resume,
+            m.ResumeDecoding: self.on_pause_or_resume,
             ResultFrame: self.on_result_frame,
             m.WorkerLost: self.on_worker_lost,
             m.WorkerReady: self.on_worker_ready,
@@ -130,7 +123,7 @@ class SchedulerActor(Actor):
             m.Drain: self.on_drain,
             m.Ask: self.on_ask,
             m.Operate: self.on_operate,
-            m.Undrain: self.on_undrain,
+            m.EndDrain: self.on_end_drain,
             Backlog: self.on_backlog,
         }
 
@@ -148,51 +141,47 @@ class SchedulerActor(Actor):
     async def on_admit(self, msg: m.Admit) -> None:
         if self.draining:
             self.counters["rejected"] += 1
-            self.tokenizer.put(m.Refused(msg.request_id, m.RejectCode.DRAINING,
+            self.tokenizer.put(m.AdmissionRefused(msg.request_id, m.RejectCode.DRAINING,
                                          "the daemon is draining"))
             return
         if self.worker_state == "failed":
             self.counters["rejected"] += 1
-            self.tokenizer.put(m.Refused(msg.request_id, m.RejectCode.OVERLOADED,
+            self.tokenizer.put(m.AdmissionRefused(msg.request_id, m.RejectCode.OVERLOADED,
                                          worker_failed_message(self.worker_failure)))
             return
         request = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
                           tenant=msg.tenant, priority=msg.priority)
         try:
             self.core.add_request(request)
-        except Rejected as exc:
+        except AdmissionError as exc:
             self.counters["rejected"] += 1
-            field = exc.message.split(":", 1)[0] if ":" in exc.message else ""
-            self.tokenizer.put(m.Refused(msg.request_id,
-                                         REJECT_CODES.get(exc.code, m.RejectCode.INVALID),
-                                         exc.message, field))
+            self.tokenizer.put(m.AdmissionRefused(msg.request_id, exc.code, exc.message, exc.field))
             return
         self.counters["accepted"] += 1
         self.tokenizer.put(m.Admitted(msg.request_id, len(msg.prompt_ids)))
         self._maybe_step()
 
     async def on_release(self, msg: m.Release) -> None:
-        reason = REASON_NAMES[msg.reason]
         self._emit([out for rid in msg.request_ids
-                    if (out := self.core.abort(rid, reason=reason)) is not None])
+                    if (out := self.core.abort(rid, msg.reason)) is not None])
         self._maybe_step()
 
-    async def on_finish(self, msg: m.Finish) -> None:
-        out = self.core.finish(msg.request_id, reason="stop")
+    async def on_stop_matched(self, msg: m.StopMatched) -> None:
+        out = self.core.finish(msg.request_id)
         if out is not None:
             self.counters["finished"] += 1  # the tokenizer already sent the Finished
             _log_end(out)
         self._maybe_step()
 
-    async def on_pause_or_resume(self, msg: m.Pause | m.Resume) -> None:
+    async def on_pause_or_resume(self, msg: m.PauseDecoding | m.ResumeDecoding) -> None:
         if self.in_flight is not None:
             self.deferred.append(msg)
             return
         self._apply_pause_or_resume(msg)
         self._maybe_step()
 
-    def _apply_pause_or_resume(self, msg: m.Pause | m.Resume) -> None:
-        if isinstance(msg, m.Pause):
+    def _apply_pause_or_resume(self, msg: m.PauseDecoding | m.ResumeDecoding) -> None:
+        if isinstance(msg, m.PauseDecoding):
             self.core.pause(msg.request_id)
         else:
             self.core.resume(msg.request_id)
@@ -257,8 +246,9 @@ class SchedulerActor(Actor):
         self.worker_failure = msg.reason
         self.worker_pid = 0
         rids = list(self.core.requests)
+        why = worker_failed_message(msg.reason)  # what their clients' `Error` says
         self._emit([out for rid in rids
-                    if (out := self.core.abort(rid, reason=WORKER_FAILED)) is not None])
+                    if (out := self.core.abort(rid, m.FinishReason.ERROR, why)) is not None])
         if first or rids:
             log.error("worker failed: requests are refused until it recovers",
                       attempts=msg.attempts, reason=msg.reason, ended=len(rids))
@@ -305,7 +295,7 @@ class SchedulerActor(Actor):
         self.latency.record(self.core, outputs)
         for out in outputs:
             if out.finished:
-                key = "cancelled" if out.finish_reason in ("cancelled", "timeout") else "finished"
+                key = "cancelled" if out.finish_reason in _CANCELLED else "finished"
                 self.counters[key] += 1
                 _log_end(out)
         self.tokenizer.put(m.StepOutputs(tuple(outputs)))
@@ -384,7 +374,7 @@ class SchedulerActor(Actor):
     async def on_drain(self, msg: m.Drain) -> None:
         self.draining = True
 
-    async def on_undrain(self, msg: m.Undrain) -> None:
+    async def on_end_drain(self, msg: m.EndDrain) -> None:
         self.draining = False
 
     def close(self) -> None:
@@ -393,7 +383,8 @@ class SchedulerActor(Actor):
 
     async def on_crash(self, exc: BaseException) -> None:
         rids = list(self.core.requests)
-        self._emit([RequestOutput(rid, [], finished=True, finish_reason="error") for rid in rids])
+        self._emit([RequestOutput(rid, [], finished=True, finish_reason=m.FinishReason.ERROR)
+                    for rid in rids])
         log.error("scheduler lost its requests", count=len(rids))
 
 
@@ -405,6 +396,6 @@ def worker_failed_message(reason: str) -> str:
 def _log_end(out: RequestOutput) -> None:
     """One line per ended request: ids, reason and lengths, never its text."""
     log.info("request ended", request_id=clip(out.request_id, _LOG_LIMITS),
-             reason=out.finish_reason,
+             reason=out.finish_reason.name.lower() if out.finish_reason else None,
              prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
              preemptions=out.preemptions)

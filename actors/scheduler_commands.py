@@ -27,7 +27,7 @@ Outcome = tuple[m.CommandReply, list[RequestOutput]]  # the reply, and the reque
 
 
 def cancel(core: Scheduler, request_id: str) -> Outcome:
-    out = core.abort(request_id, reason="cancelled")
+    out = core.abort(request_id, m.FinishReason.CANCELLED)
     if out is None:
         return m.CommandReply("cancel", False, f"no live request {request_id}"), []
     return m.CommandReply("cancel", True, f"cancelled {request_id}"), [out]
@@ -84,7 +84,7 @@ def reconcile(
         request = core.requests[rid]
         findings.append(f"request {rid} ({request.state.value}, "
                         f"{len(request.block_ids)} blocks) has no live connection: released")
-        out = core.abort(rid, reason="cancelled")
+        out = core.abort(rid, m.FinishReason.CANCELLED)
         if out is not None:
             outputs.append(out)
     for block, extra in unowned_references(core):

@@ -1,15 +1,16 @@
 """The Stream actor: one per client connection, the daemon's side of backpressure.
 
 It sends a request's chunks only within the credits the client granted, buffers the rest,
-and past the high watermark asks the Scheduler to `Pause` the request (its KV stays); once
-the buffer drains below the low watermark it sends `Resume`. A request paused longer than
-`pause_timeout` is ended with `timeout`. A connection silent past the heartbeat timeout, or
+and past the high watermark asks the Scheduler to pause the request (`PauseDecoding`; its KV
+stays); once the buffer drains below the low watermark it sends `ResumeDecoding`. A request
+paused longer than `pause_timeout` is ended with `timeout`. A connection silent past the heartbeat timeout, or
 one the ROUTER can no longer reach, is gone: all its requests are cancelled and released.
 
-Everything it says about a request (`Encode`, then `Release`, `Pause`, `Resume`) goes to the
-Tokenizer, which ends a request it still holds or forwards the message to the Scheduler
-behind the request's `Admit`: one route, in order, so a cancel never overtakes its request.
-Credits stay here: they meter what this stream sends, and only the `Resume` they cause
+Everything it says about a request (`Encode`, then `Release`, `PauseDecoding`,
+`ResumeDecoding`) goes to the Tokenizer, which ends a request it still holds or forwards the
+message to the Scheduler behind the request's `Admit`: one route, in order, so a cancel never
+overtakes its request.
+Credits stay here: they meter what this stream sends, and only the `ResumeDecoding` they cause
 travels on.
 
 Buffered chunks are merged when sent, so one credit can carry several tokens. Terminal
@@ -268,11 +269,11 @@ class Stream(Actor):
         depth = len(request.buffer)
         if request.paused_since is None and depth > self.config.high_watermark:
             request.paused_since = trio.current_time()
-            self.tokenizer.put(m.Pause(request.daemon_id))
+            self.tokenizer.put(m.PauseDecoding(request.daemon_id))
         elif request.paused_since is not None and depth <= self.config.low_watermark:
             request.paused_since = None
             if not request.ending:
-                self.tokenizer.put(m.Resume(request.daemon_id))
+                self.tokenizer.put(m.ResumeDecoding(request.daemon_id))
 
     def _send(self, msg: object) -> None:
         self.outgoing.append(self.codec.envelope(msg))

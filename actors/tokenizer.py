@@ -1,7 +1,8 @@
 """The Tokenizer actor: text in, token ids to the Scheduler; token ids out, safe text deltas.
 
-Inbound it runs the model-dependent checks of `intake` (exactly one prompt form, sampling
-ranges, token ids inside the vocabulary), renders chat messages with the model's template
+Inbound it runs the model-dependent checks of `intake` (exactly one prompt form, token ids
+inside the vocabulary; the sampling parameters checked their own ranges as the codec built
+them), renders chat messages with the model's template
 and tokenizes. A long prompt is tokenized on one of a few worker threads while the actor
 goes on rendering everyone's output; the bytes of the prompts handed to those threads and
 not yet done are counted, and past `limits.max_pending_prompt_bytes` a new long prompt gets
@@ -9,9 +10,9 @@ not yet done are counted, and past `limits.max_pending_prompt_bytes` a new long 
 detokenizer per request, so a chunk never splits a UTF-8 character and a stop string is held
 back until it can no longer match and is never sent; a matched stop string ends the request.
 
-It is also the one route from a request's Stream to the Scheduler: `Release`, `Pause` and
-`Resume` come here in order behind the request's `Encode`. A request still held here (a long
-prompt on a thread or waiting for one) ends here: its tokenizing is called off, its bytes
+It is also the one route from a request's Stream to the Scheduler: `Release`,
+`PauseDecoding` and `ResumeDecoding` come here in order behind the request's `Encode`. A
+request still held here (a long prompt on a thread or waiting for one) ends here: its tokenizing is called off, its bytes
 are given back and its Stream gets the `Finished`; one already admitted has the message
 forwarded to the Scheduler behind its `Admit`, so nothing about a request overtakes it; one
 that already ended has its end on the way to the Stream, and the message is dropped.
@@ -36,28 +37,16 @@ import structlog
 import trio
 
 from sluice.actors.base import Actor, Handler, Inbox, Outboxes
-from sluice.actors.intake import check_prompt_form, sampling_from_wire
+from sluice.actors.intake import check_prompt_form
 from sluice.actors.limits import Limits, clip
 from sluice.actors.reports import BacklogGauge
-from sluice.actors.scheduler.plan import InvalidParams, SamplingParams
 from sluice.actors.text import RequestText
 from sluice.ipc import messages as m
+from sluice.ipc.vocabulary import InvalidParams
 
 log = structlog.get_logger("sluice.tokenizer")
 
-FINISH_REASONS = {
-    "stop": m.FinishReason.STOP,
-    "length": m.FinishReason.LENGTH,
-    "cancelled": m.FinishReason.CANCELLED,
-    "abort": m.FinishReason.CANCELLED,
-    "timeout": m.FinishReason.TIMEOUT,
-    "error": m.FinishReason.ERROR,
-    "preempted_abort": m.FinishReason.PREEMPTED_ABORT,
-    "worker_failed": m.FinishReason.ERROR,
-}
-ERROR_MESSAGES = {  # what the client's `Error` says, by the scheduler's finish reason
-    "worker_failed": "the worker failed: it could not be started; the daemon retries it",
-}
+FAILED_IN_DAEMON = "the request failed in the daemon"  # an ERROR end that says no more
 # Longer prompts are tokenized on a worker thread; shorter ones take less time than the
 # thread hand-off would.
 LONG_PROMPT_BYTES = 4096
@@ -129,8 +118,7 @@ class Tokenizer(Actor):
         self._nursery = nursery
         encodes, self._carry_encodes = self._carry_encodes, []
         for msg in encodes:  # already checked once; only their tokenizing starts over
-            self._start_long(msg, sampling_from_wire(msg.generate.sampling),
-                             prompt_bytes(msg.generate))
+            self._start_long(msg, prompt_bytes(msg.generate))
 
     def close(self) -> None:
         super().close()
@@ -144,11 +132,11 @@ class Tokenizer(Actor):
         return {
             m.Encode: self.on_encode,
             m.Admitted: self.on_admitted,
-            m.Refused: self.on_refused,
+            m.AdmissionRefused: self.on_admission_refused,
             m.StepOutputs: self.on_step_outputs,
             m.Release: self.on_release,
-            m.Pause: self.on_pause_or_resume,
-            m.Resume: self.on_pause_or_resume,
+            m.PauseDecoding: self.on_pause_or_resume,
+            m.ResumeDecoding: self.on_pause_or_resume,
             m.Ask: self.on_ask,
         }
 
@@ -161,17 +149,16 @@ class Tokenizer(Actor):
         request = msg.generate
         try:
             check_prompt_form(request, self.tokenizer.vocab_size)
-            sampling = sampling_from_wire(request.sampling)
             size = prompt_bytes(request)
             if size > LONG_PROMPT_BYTES:
-                self._start_long(msg, sampling, size)
+                self._start_long(msg, size)
             else:
-                self._admit(msg, sampling, self._work(request)())
+                self._admit(msg, self._work(request)())
         except InvalidParams as exc:
             self._reject_invalid(msg, exc)
         self.in_hand = None
 
-    def _start_long(self, msg: m.Encode, sampling: SamplingParams, size: int) -> None:
+    def _start_long(self, msg: m.Encode, size: int) -> None:
         """Tokenize on a worker thread while this actor goes on rendering everyone's output."""
         limit = self.limits.max_pending_prompt_bytes
         if self.pending_prompt_bytes + size > limit:
@@ -184,9 +171,9 @@ class Tokenizer(Actor):
         held = _Held(msg, size, trio.CancelScope())
         self.pending_prompt_bytes += size
         self.tokenizing[msg.request_id] = held
-        self._nursery.start_soon(self._tokenize_long, held, sampling)
+        self._nursery.start_soon(self._tokenize_long, held)
 
-    async def _tokenize_long(self, held: _Held, sampling: SamplingParams) -> None:
+    async def _tokenize_long(self, held: _Held) -> None:
         msg = held.encode
         with held.scope:  # cancelled while it waits for a thread: the thread is not taken
             try:
@@ -206,7 +193,7 @@ class Tokenizer(Actor):
                 raise
         if not held.scope.cancelled_caught and self._take_back(held):
             try:
-                self._admit(msg, sampling, prompt_ids)
+                self._admit(msg, prompt_ids)
             except InvalidParams as exc:
                 self._reject_invalid(msg, exc)
         # a cancelled task (a crash elsewhere, or shutdown) leaves its entry in `tokenizing`
@@ -228,10 +215,11 @@ class Tokenizer(Actor):
             return lambda: self.tokenizer.encode_chat(chat)
         return lambda: self.tokenizer.encode(request.prompt)
 
-    def _admit(self, msg: m.Encode, sampling: SamplingParams, prompt_ids: list[int]) -> None:
+    def _admit(self, msg: m.Encode, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise InvalidParams("prompt", "tokenizes to nothing")
         request = msg.generate
+        sampling = request.sampling
         self.requests[msg.request_id] = _Detok(
             request.request_id, msg.reply_to,
             RequestText(self.tokenizer, sampling.stop, len(prompt_ids)), msg.arrival,
@@ -241,11 +229,8 @@ class Tokenizer(Actor):
                                    request.priority, request.tenant, msg.arrival))
 
     def _reject_invalid(self, msg: m.Encode, exc: InvalidParams) -> None:
-        field = exc.field if exc.field.startswith(("prompt", "messages", "sampling")) else (
-            f"sampling.{exc.field}"
-        )
         self._deliver_one(msg.reply_to, m.Rejected(
-            msg.generate.request_id, m.RejectCode.INVALID, str(exc), field))
+            msg.generate.request_id, m.RejectCode.INVALID, str(exc), exc.field))
 
     async def on_admitted(self, msg: m.Admitted) -> None:
         state = self.requests.get(msg.request_id)
@@ -253,7 +238,7 @@ class Tokenizer(Actor):
             state.admitted_at = trio.current_time()
             self._deliver_one(state.reply_to, m.Accepted(state.client_id, msg.prompt_tokens))
 
-    async def on_refused(self, msg: m.Refused) -> None:
+    async def on_admission_refused(self, msg: m.AdmissionRefused) -> None:
         state = self._end(msg.request_id)
         if state is not None:
             self._deliver_one(state.reply_to, m.Rejected(state.client_id, msg.code, msg.message,
@@ -277,7 +262,7 @@ class Tokenizer(Actor):
             self.scheduler.put(m.Release(tuple(forward), msg.reason))
         self._deliver()
 
-    async def on_pause_or_resume(self, msg: m.Pause | m.Resume) -> None:
+    async def on_pause_or_resume(self, msg: m.PauseDecoding | m.ResumeDecoding) -> None:
         # only an admitted request has chunks to pause for
         if msg.request_id in self.requests:
             self.scheduler.put(msg)
@@ -328,17 +313,16 @@ class Tokenizer(Actor):
                 logprobs = tuple(float(t.logprob or 0.0) for t in out.logprobs)
             sent.append(m.Chunk(state.client_id, text, tuple(out.new_token_ids), logprobs))
             if state.text.stopped:
-                self.scheduler.put(m.Finish(out.request_id))
+                self.scheduler.put(m.StopMatched(out.request_id))
                 sent.append(self._finished(out, state, m.FinishReason.STOP, now))
                 self._end(out.request_id)
                 return
         if out.finished:
-            reason = FINISH_REASONS.get(out.finish_reason or "", m.FinishReason.ERROR)
-            if rest := state.text.end(reason.name.lower()):
+            reason = out.finish_reason or m.FinishReason.ERROR
+            if rest := state.text.end(reason):
                 sent.append(m.Chunk(state.client_id, rest, ()))
             if reason is m.FinishReason.ERROR:
-                sent.append(m.Error(state.client_id, ERROR_MESSAGES.get(
-                    out.finish_reason, "the request failed in the daemon")))
+                sent.append(m.Error(state.client_id, out.error or FAILED_IN_DAEMON))
             sent.append(self._finished(out, state, reason, now))
             self._end(out.request_id)
 

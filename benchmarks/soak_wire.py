@@ -126,7 +126,7 @@ def connections_held():
 
 def generate(rid: str, max_tokens: int, *, credits: int = 16, prompt: str = "") -> m.Generate:
     return m.Generate(rid, prompt=f"{PROMPT_MARK} {prompt}",
-                      sampling=m.Sampling(max_tokens=max_tokens, temperature=0.0,
+                      sampling=m.SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                           ignore_eos=True), credits=credits)
 
 

@@ -263,8 +263,8 @@ class Daemon:
         Returns whether every request finished before the deadline; the rest are cancelled.
         """
         deadline = self.config.drain_deadline if deadline is None else deadline
-        self._inboxes["gateway"].put(m.Drain(deadline))
-        self._scheduler_inbox.put(m.Drain(deadline))
+        self._inboxes["gateway"].put(m.Drain())
+        self._scheduler_inbox.put(m.Drain())
         finished = True
         with trio.move_on_after(deadline) as scope:
             while not await self._idle():

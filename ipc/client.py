@@ -34,6 +34,7 @@ from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
 from sluice.ipc.errors import DaemonGone, InvalidRequestError, SluiceError, error_for
 from sluice.ipc.sockets import Socket
+from sluice.ipc.vocabulary import InvalidParams, SamplingParams
 
 
 @dataclass
@@ -183,10 +184,14 @@ class AsyncClient:
     ) -> AsyncGeneration:
         """Send a request and wait until the daemon accepts it; raise if it refuses."""
         rid = str(next(self._ids))
-        sampling = m.Sampling(max_tokens=max_tokens, temperature=float(temperature),
-                              top_p=float(top_p), top_k=top_k, min_p=float(min_p), seed=seed,
-                              stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
-                              ignore_eos=ignore_eos)
+        try:  # refused here as the daemon would refuse it, without a round trip
+            sampling = SamplingParams(
+                max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                top_k=top_k, min_p=float(min_p), seed=seed, stop=tuple(stop),
+                stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
+        except InvalidParams as exc:
+            raise InvalidRequestError(exc.message, field=f"sampling.{exc.field}",
+                                      request_id=rid) from None
         chat = None if messages is None else tuple(
             m.ChatMessage(str(x["role"]), str(x["content"])) for x in messages)
         msg = m.Generate(rid, prompt=prompt, messages=chat,

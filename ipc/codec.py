@@ -6,9 +6,10 @@ order: the frame size limit, that the bytes are msgpack, the protocol major vers
 (against the set of messages the receiver accepts), and then every field's type, naming the
 offending field (dotted for nested values). Decoding never raises anything but `CodecError`.
 
-Range checks that need domain knowledge (a top_p of 7) or the daemon's limits (a prompt of a
-million characters) are not made here; the daemon makes them where a request enters it
-(`sluice.actors.intake`).
+A value that checks its own ranges when it is built (`SamplingParams`: a top_p of 7) is
+refused here too, naming its field (`sampling.top_p`). Checks that need the daemon's limits (a
+prompt of a million characters) or its model (a token id outside the vocabulary) are not
+made here; the daemon makes them where a request enters it (`sluice.actors.intake`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import msgpack
 
 from sluice.ipc import messages as m
+from sluice.ipc.vocabulary import InvalidParams
 
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 
@@ -161,7 +163,10 @@ class _Schema:
             if name not in body:
                 raise _FieldError(f"{prefix}{name}", "missing required field")
         values = {name: self.checks[name](value, prefix + name) for name, value in body.items()}
-        return self.cls(**values)
+        try:
+            return self.cls(**values)
+        except InvalidParams as exc:  # the value's own range check
+            raise _FieldError(f"{prefix}{exc.field}", exc.message) from None
 
 
 _SCHEMAS: dict[type, _Schema] = {}

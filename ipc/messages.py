@@ -7,6 +7,9 @@ leave the process; they are here too so that the whole conversation of the syste
 read in one place. (The step plan and result the Scheduler and Executor exchange are the
 scheduler core's own types, in `sluice.actors.scheduler.plan`.) An actor is named in a
 message by the address of its inbox, never by an object. Enums on the wire are small ints.
+The sampling parameters (`SamplingParams`) and the codes `FinishReason` and `RejectCode` are
+defined in `vocabulary` and used here as they are: they are the same objects in the client
+library, the actors and the scheduler core, from the frame to the worker and back.
 
 Clocks: durations are seconds measured on the daemon's monotonic clock; no field carries a
 wall-clock timestamp.
@@ -16,34 +19,14 @@ What does not belong here: encoding (see `codec`), sockets, anything from `sluic
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from sluice.ipc.vocabulary import FinishReason, RejectCode, SamplingParams
+
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1  # 1.1: `Generate.sampling` may ask for `logprobs`
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
-
-
-class RejectCode(enum.IntEnum):
-    """Why a request or frame was refused before any work was done for it."""
-
-    INVALID = 1  # malformed frame or out-of-range parameter; `field` names it
-    TOO_LONG = 2  # prompt plus max_tokens exceed the model's context
-    OVERLOADED = 3  # queue full
-    DRAINING = 4  # the daemon is shutting down or drained by an operator
-    QUOTA = 5  # the tenant is over its limits
-    UNAUTHORIZED = 6
-    PROTOCOL_VERSION = 7  # the frame's major version differs from the daemon's
-
-
-class FinishReason(enum.IntEnum):
-    STOP = 1  # EOS, a stop token or a stop string
-    LENGTH = 2  # max_tokens or the model's context reached
-    CANCELLED = 3  # the client cancelled, or went away
-    TIMEOUT = 4  # paused by backpressure longer than pause_timeout
-    ERROR = 5  # an actor or the worker failed for this request
-    PREEMPTED_ABORT = 6  # preempted and could not be resumed
 
 
 # -- nested wire values ---------------------------------------------------------------------
@@ -53,24 +36,6 @@ class FinishReason(enum.IntEnum):
 class ChatMessage:
     role: str  # system | user | assistant
     content: str
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters as the client sends them; the daemon range-checks them."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 is greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()  # stop strings; never sent back to the client
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -100,7 +65,7 @@ class Generate:
     prompt: str | None = None  # exactly one of prompt, messages, prompt_ids
     messages: tuple[ChatMessage, ...] | None = None  # rendered with the chat template
     prompt_ids: tuple[int, ...] | None = None
-    sampling: Sampling = Sampling()
+    sampling: SamplingParams = SamplingParams()  # range-checked as the frame is decoded
     priority: int = 0  # higher runs first under the priority policy
     tenant: str = "default"
     credits: int = 16  # chunks the client can take before its first Credit
@@ -380,7 +345,7 @@ class Admit:
     request_id: str  # daemon-wide id
     connection: bytes
     prompt_ids: tuple[int, ...]
-    sampling: Any  # the scheduler core's SamplingParams, already range-checked
+    sampling: SamplingParams  # the client's, as it arrived
     priority: int
     tenant: str
     arrival: float  # monotonic
@@ -397,15 +362,17 @@ class Release:
 
 
 @dataclass(frozen=True)
-class Pause:
-    """Stream -> Tokenizer -> Scheduler: stop decoding the request; its KV stays."""
+class PauseDecoding:
+    """Stream -> Tokenizer -> Scheduler: stop decoding the request (its client is slow); its
+    KV stays."""
 
     request_id: str
 
 
 @dataclass(frozen=True)
-class Resume:
-    """Stream -> Tokenizer -> Scheduler: decode a paused request again."""
+class ResumeDecoding:
+    """Stream -> Tokenizer -> Scheduler: decode a paused request again (not `ResumeCommand`,
+    the operator's end of a drain)."""
 
     request_id: str
 
@@ -455,17 +422,13 @@ class AskWorker:
 
 @dataclass(frozen=True)
 class Drain:
-    deadline: float | None = None  # seconds; None waits for every running request
+    """Daemon or Control -> Gateway and Scheduler: admit nothing new (the deadline, if any,
+    is kept by whoever sent this)."""
 
 
 @dataclass(frozen=True)
 class Snapshot:
     report: StatusReport
-
-
-@dataclass(frozen=True)
-class Reconcile:
-    pass
 
 
 @dataclass(frozen=True)
@@ -505,8 +468,9 @@ class Admitted:
 
 
 @dataclass(frozen=True)
-class Refused:
-    """Scheduler -> Tokenizer: the core refused the request (too long, quota, overloaded...)."""
+class AdmissionRefused:
+    """Scheduler -> Tokenizer: the core refused the request (too long, quota, overloaded...);
+    the Tokenizer tells the client with a `Rejected`."""
 
     request_id: str
     code: RejectCode
@@ -522,8 +486,9 @@ class StepOutputs:
 
 
 @dataclass(frozen=True)
-class Finish:
-    """Tokenizer -> Scheduler: a stop string matched; end the request with `stop`."""
+class StopMatched:
+    """Tokenizer -> Scheduler: a stop string matched; end the request with STOP (its client
+    has its `Finished` already)."""
 
     request_id: str
 
@@ -584,8 +549,8 @@ class Connections:
 
 
 @dataclass(frozen=True)
-class Undrain:
-    """Control -> Gateway and Scheduler: admit again."""
+class EndDrain:
+    """Control -> Gateway and Scheduler: admit again (what `ResumeCommand` asks for)."""
 
 
 @dataclass(frozen=True)

@@ -1,34 +1,36 @@
-"""Typed rejections of `Scheduler.add_request`: one subclass per code the gateway sends back."""
+"""Typed refusals of `Scheduler.add_request`: one subclass per code the client gets back.
+
+Each carries its `RejectCode`, the `field` it is about (dotted, as the client named it, e.g.
+"max_tokens") and a human `message`; nobody reads a field out of the text.
+"""
 
 from __future__ import annotations
 
-
-class Rejected(Exception):
-    """A request the scheduler will not take: `code` goes on the wire, `message` names the field."""
-
-    code = "rejected"
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+from sluice.ipc.vocabulary import RejectCode
 
 
-class InvalidRequest(Rejected):
-    def __init__(self, message: str):
-        super().__init__("invalid", message)
+class AdmissionError(Exception):
+    """A request the scheduler will not take."""
+
+    code: RejectCode = RejectCode.INVALID
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = f"{field}: {message}" if field else message
+        super().__init__(f"{self.code.name.lower()}: {self.message}")
 
 
-class TooLong(Rejected):
-    def __init__(self, message: str):
-        super().__init__("too_long", message)
+class InvalidRequest(AdmissionError):
+    code = RejectCode.INVALID
 
 
-class Quota(Rejected):
-    def __init__(self, message: str):
-        super().__init__("quota", message)
+class TooLong(AdmissionError):
+    code = RejectCode.TOO_LONG
 
 
-class Overloaded(Rejected):
-    def __init__(self, message: str):
-        super().__init__("overloaded", message)
+class Quota(AdmissionError):
+    code = RejectCode.QUOTA
+
+
+class Overloaded(AdmissionError):
+    code = RejectCode.OVERLOADED

@@ -97,10 +97,10 @@ class KVCacheManager:
         would be preempted forever."""
         pool = f"the KV pool ({self.num_total_blocks * self.block_size} tokens)"
         if self.blocks_for(prompt_tokens + 1) > self.num_total_blocks:
-            raise TooLong(f"prompt_token_ids: {prompt_tokens} tokens do not fit {pool}")
+            raise TooLong("prompt_token_ids", f"{prompt_tokens} tokens do not fit {pool}")
         if self.blocks_for(total_tokens) > self.num_total_blocks:
             raise TooLong(
-                f"max_tokens: prompt + max_tokens = {total_tokens} tokens do not fit {pool}"
+                "max_tokens", f"prompt + max_tokens = {total_tokens} tokens do not fit {pool}"
             )
 
     def may_admit(self, anyone_running: bool) -> bool:

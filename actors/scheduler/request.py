@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from sluice.actors.scheduler.errors import InvalidRequest
 from sluice.actors.scheduler.plan import RequestOutput, SamplingParams
+from sluice.ipc.vocabulary import FinishReason
 
 
 class RequestState(enum.Enum):
@@ -33,7 +34,7 @@ class RequestState(enum.Enum):
 _ENDED = frozenset({RequestState.FINISHED, RequestState.CANCELLED, RequestState.FAILED})
 
 # abort reasons that do not mean the client asked for it
-FAILED_REASONS = frozenset({"error"})
+FAILED_REASONS = frozenset({FinishReason.ERROR})
 
 
 @dataclass(slots=True, eq=False)
@@ -65,7 +66,7 @@ class Request:
     # the most tokens whose KV this request ever had: computing below it again is recompute
     max_computed_tokens: int = field(default=0, init=False)
     sampling_seed: int = field(default=0, init=False)
-    finish_reason: str | None = field(default=None, init=False)
+    finish_reason: FinishReason | None = field(default=None, init=False)
     resume_state: RequestState | None = field(default=None, init=False)  # state before PAUSED
 
     # timestamps, all from the scheduler's clock
@@ -117,15 +118,15 @@ class Request:
         """Raise `InvalidRequest` naming the first field a caller filled in wrong."""
         rid, prompt = self.request_id, self.prompt_token_ids
         if not isinstance(rid, str) or not rid:
-            raise InvalidRequest("request_id: must be a non-empty string")
+            raise InvalidRequest("request_id", "must be a non-empty string")
         if not isinstance(self.sampling, SamplingParams):
-            raise InvalidRequest("sampling: must be SamplingParams")
+            raise InvalidRequest("sampling", "must be SamplingParams")
         if not isinstance(prompt, list) or not prompt:
-            raise InvalidRequest("prompt_token_ids: must be a non-empty list of token ids")
+            raise InvalidRequest("prompt_token_ids", "must be a non-empty list of token ids")
         if not all(isinstance(t, int) and t >= 0 for t in prompt):
-            raise InvalidRequest("prompt_token_ids: every token id must be an integer >= 0")
+            raise InvalidRequest("prompt_token_ids", "every token id must be an integer >= 0")
         if not isinstance(self.priority, int):
-            raise InvalidRequest("priority: must be an integer")
+            raise InvalidRequest("priority", "must be an integer")
 
     def prepare(
         self, now: float, rng: random.Random, eos_token_ids: frozenset[int], max_model_len: int
@@ -159,8 +160,8 @@ class Request:
             self.max_computed_tokens = end
         return recomputed
 
-    def sampled(self, token_id: int, now: float, max_model_len: int) -> str | None:
-        """Append a sampled token; the finish reason it brings ("stop", "length") or None."""
+    def sampled(self, token_id: int, now: float, max_model_len: int) -> FinishReason | None:
+        """Append a sampled token; the finish reason it brings (STOP, LENGTH) or None."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.num_decode_tokens += 1
@@ -168,14 +169,15 @@ class Request:
             self.first_token_time = now
         self.last_token_time = now
         if token_id in self.stop_ids:
-            return "stop"
+            return FinishReason.STOP
         if len(self.output_token_ids) >= self.sampling.max_tokens or (
             len(self.all_token_ids) >= max_model_len
         ):
-            return "length"
+            return FinishReason.LENGTH
         return None
 
-    def ended(self, reason: str, state: RequestState, now: float) -> RequestOutput:
+    def ended(self, reason: FinishReason, state: RequestState, now: float,
+              error: str = "") -> RequestOutput:
         """Record how it ended; the output that reports it, with its usage."""
         self.state = state
         self.finish_reason = reason
@@ -185,6 +187,7 @@ class Request:
             new_token_ids=[],
             finished=True,
             finish_reason=reason,
+            error=error,
             prompt_tokens=len(self.prompt_token_ids),
             cached_tokens=self.num_cached_tokens,
             preemptions=self.num_preemptions,

@@ -16,6 +16,7 @@ from sluice.actors.scheduler.policy import Policy
 from sluice.actors.scheduler.request import Request, RequestState
 from sluice.actors.scheduler.tenant_ledger import TenantLedger
 from sluice.actors.scheduler.wait_queue import WaitQueue
+from sluice.ipc.vocabulary import FinishReason
 
 WAITING, PREFILLING, DECODING = RequestState.WAITING, RequestState.PREFILLING, RequestState.DECODING
 PAUSED, PREEMPTED = RequestState.PAUSED, RequestState.PREEMPTED
@@ -31,7 +32,7 @@ class RequestTable:
         self.paused: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # every request not yet ended
         self.recently_ended: OrderedDict[str, Request] = OrderedDict()
-        self.ended_by_reason: dict[str, int] = {}
+        self.ended_by_reason: dict[FinishReason, int] = {}
 
     def get(self, request_id: str) -> Request | None:
         """A live request, or one of the recently ended ones."""
@@ -109,7 +110,7 @@ class RequestTable:
         request.state = PREEMPTED
         self.enqueue(request)
 
-    def remove(self, request: Request, reason: str) -> None:
+    def remove(self, request: Request, reason: FinishReason) -> None:
         """It ended: out of its place and the table, kept a while among the recently ended."""
         self.leave(request)
         rid = request.request_id

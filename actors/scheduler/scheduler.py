@@ -32,6 +32,7 @@ from sluice.actors.scheduler.policy import make_policy, preemption_key
 from sluice.actors.scheduler.request import FAILED_REASONS, Request, RequestState
 from sluice.actors.scheduler.request_table import RequestTable
 from sluice.actors.scheduler.tenant_ledger import TenantLedger
+from sluice.ipc.vocabulary import FinishReason
 
 PREFILLING, DECODING, PAUSED = RequestState.PREFILLING, RequestState.DECODING, RequestState.PAUSED
 
@@ -92,26 +93,28 @@ class Scheduler:
     def _validate(self, request: Request) -> None:
         request.check_fields()
         if request.request_id in self.requests:
-            raise InvalidRequest(f"request_id: {request.request_id!r} is already in use")
+            raise InvalidRequest("request_id", f"{request.request_id!r} is already in use")
         self.ledger.check_exists(request.tenant)
         n = len(request.prompt_token_ids)
         if n + 1 > self.max_model_len:
-            raise TooLong(f"prompt_token_ids: {n} tokens leave no room to generate "
+            raise TooLong("prompt_token_ids", f"{n} tokens leave no room to generate "
                           f"within max_model_len {self.max_model_len}")
         self.kv_cache.check_fits(n, min(n + request.sampling.max_tokens, self.max_model_len))
         self.ledger.check_quota(request)
         if len(self.waiting) >= self.config.max_queued:
-            raise Overloaded(f"queue: {len(self.waiting)} requests are already waiting")
+            raise Overloaded("queue", f"{len(self.waiting)} requests are already waiting")
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED,
+              error: str = "") -> RequestOutput | None:
         """End a request that did not finish by itself; None if it is unknown or already ended."""
         request = self.requests.get(request_id)
         if request is None:
             return None
         state = RequestState.FAILED if reason in FAILED_REASONS else RequestState.CANCELLED
-        return self._end(request, reason, state)
+        return self._end(request, reason, state, error)
 
-    def finish(self, request_id: str, reason: str = "stop") -> RequestOutput | None:
+    def finish(self, request_id: str,
+               reason: FinishReason = FinishReason.STOP) -> RequestOutput | None:
         """End a request that the engine found complete (a stop string matched)."""
         request = self.requests.get(request_id)
         return None if request is None else self._end(request, reason, RequestState.FINISHED)
@@ -143,13 +146,13 @@ class Scheduler:
         """The worker died during `plan` (after `requeue_all`): suspect its requests.
 
         They are bisected in later plans (see `bisection.py`); a request that was alone in
-        `max_losses` lost steps ends with "error", so it cannot hold the daemon in a restart
+        `max_losses` lost steps ends with ERROR, so it cannot hold the daemon in a restart
         loop, while the requests batched with it go on.
         """
         if plan is None:
             return []
         failed = self.bisection.step_lost(plan, self.requests, max_losses)
-        return [self._end(self.requests[rid], "error", RequestState.FAILED) for rid in failed]
+        return [self._end(self.requests[rid], FinishReason.ERROR, RequestState.FAILED) for rid in failed]
 
     def configure_tenant(self, name: str, tenant: TenantConfig) -> None:
         """Change a tenant's weight or limits at run time (operator command, config reload)."""
@@ -295,7 +298,7 @@ class Scheduler:
         """Give `request` more blocks, preempting lower-ranked requests while the pool is short.
 
         When `request` itself ranks lowest, a decode is preempted (`may_preempt_self`) and a
-        prefill simply waits; a request alone in a pool too small for it ends with "length".
+        prefill simply waits; a request alone in a pool too small for it ends with LENGTH.
         """
         while not self.kv_cache.can_allocate(num_blocks):
             candidates = [r for r in (*self.running.values(), *self.paused.values())
@@ -304,7 +307,7 @@ class Scheduler:
             if victim is None or preemption_key(victim) < preemption_key(request):
                 if victim is None and may_preempt_self:
                     self._pending_outputs.append(
-                        self._end(request, "length", RequestState.FINISHED))
+                        self._end(request, FinishReason.LENGTH, RequestState.FINISHED))
                 elif may_preempt_self:
                     self._preempt(request)
                 return False
@@ -341,7 +344,7 @@ class Scheduler:
                 continue
             token = sampled.get(seq.request_id)
             if token is None:
-                outputs.append(self._end(request, "error", RequestState.FAILED))
+                outputs.append(self._end(request, FinishReason.ERROR, RequestState.FAILED))
                 continue
             self.table.prefill_done(request, now)
             ledger.charge_decode(tenant)
@@ -375,14 +378,15 @@ class Scheduler:
         self.ledger.charge_preemption(request.tenant)
         self.table.requeue(request)
 
-    def _end(self, request: Request, reason: str, state: RequestState) -> RequestOutput:
+    def _end(self, request: Request, reason: FinishReason, state: RequestState,
+             error: str = "") -> RequestOutput:
         """The only way out: release every block now, leave every table, report usage."""
         computed = request.num_computed_tokens
         self._drop_kv(request)
         request.num_computed_tokens = computed  # kept for inspection of the ended request
         self.table.remove(request, reason)
         self.bisection.forget(request.request_id)
-        return request.ended(reason, state, self.clock())
+        return request.ended(reason, state, self.clock(), error)
 
     # -- inspection -------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -399,7 +403,7 @@ class Scheduler:
             "last_step": dict(self.last_step),
             "preemptions": self.num_preemptions,
             "rejected": self.num_rejected,
-            "ended": dict(self.table.ended_by_reason),
+            "ended": {r.name.lower(): n for r, n in self.table.ended_by_reason.items()},
             "policy": self.config.policy,
             **self.ledger.stats(per_tenant),
         }

@@ -15,6 +15,7 @@ from sluice.actors.scheduler.scheduler import Scheduler
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
 from sluice.actors.scheduler.request import Request
 from sluice.actors.scheduler.scenario import Scenario, SimRequest, percentile
+from sluice.ipc.vocabulary import FinishReason
 
 _TOKEN = 1  # what the simulated model always samples; never a stop token
 
@@ -34,7 +35,7 @@ class RequestTrace:
     token_times: list[float] = field(default_factory=list)
     first_scheduled: float | None = None
     finish_time: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     preemptions: int = 0
     cached_tokens: int = 0
     recomputed_tokens: int = 0
@@ -74,7 +75,7 @@ class SimulationResult:
                 "arrival": trace.arrival,
                 "first_token_time": times[0] if times else None,
                 "finish_time": trace.finish_time,
-                "finish_reason": trace.finish_reason,
+                "finish_reason": trace.finish_reason and trace.finish_reason.name.lower(),
                 "max_token_gap": max(request_gaps, default=0.0),
                 "wait": None
                 if trace.first_scheduled is None

@@ -97,7 +97,7 @@ class TenantLedger:
         other tenant check, so an invented name costs no table entry."""
         if not isinstance(name, str) or not self.config.tenant_exists(name):
             raise InvalidRequest(
-                f"tenant: {name!r} is not a tenant here (an operator creates tenants)"
+                "tenant", f"{name!r} is not a tenant here (an operator creates tenants)"
             )
 
     def check_quota(self, request: Request) -> None:
@@ -107,12 +107,12 @@ class TenantLedger:
         n = len(request.prompt_token_ids)
         if limits.max_new_tokens is not None and max_tokens > limits.max_new_tokens:
             raise Quota(
-                f"max_tokens: tenant {request.tenant!r} allows at most {limits.max_new_tokens}, "
+                "max_tokens", f"tenant {request.tenant!r} allows at most {limits.max_new_tokens}, "
                 f"got {max_tokens}"
             )
         if limits.max_context is not None and n + max_tokens > limits.max_context:
             raise Quota(
-                f"prompt_token_ids: prompt + max_tokens = {n + max_tokens} "
+                "prompt_token_ids", f"prompt + max_tokens = {n + max_tokens} "
                 f"exceeds tenant {request.tenant!r}'s max_context {limits.max_context}"
             )
         tenant = self.tenants.get(request.tenant)
@@ -120,7 +120,7 @@ class TenantLedger:
         max_queued = self.config.max_queued_of(request.tenant)
         if max_queued is not None and queued >= max_queued:
             raise Quota(
-                f"tenant: {request.tenant!r} already has {queued} requests queued "
+                "tenant", f"{request.tenant!r} already has {queued} requests queued "
                 f"(max_queued {max_queued})"
             )
 

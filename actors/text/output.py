@@ -8,11 +8,11 @@ text is released at the end, or how tokens are counted.
 from __future__ import annotations
 
 from sluice.actors.text.detokenizer import IncrementalDetokenizer
-from sluice.ipc.messages import Usage
+from sluice.ipc.messages import FinishReason, Usage
 
 # the ends after which text held back (a possible start of a stop string) is the client's;
 # a cancelled or failed request ends where its last delta ended
-RELEASES_HELD_TEXT = frozenset(("stop", "length"))
+RELEASES_HELD_TEXT = frozenset((FinishReason.STOP, FinishReason.LENGTH))
 
 
 class RequestText:
@@ -36,7 +36,7 @@ class RequestText:
         self.completion_tokens += len(token_ids)
         return self._detok.push(list(token_ids))
 
-    def end(self, reason: str) -> str:
+    def end(self, reason: FinishReason | None) -> str:
         """The request ended for `reason`: the held-back text it releases ("" if none)."""
         return self._detok.flush() if reason in RELEASES_HELD_TEXT else ""
 

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         return remote.run(args)
     from sluice.actors.engine import Engine
     from sluice.actors.executor.loader import ModelLoadError
-    from sluice.actors.scheduler.errors import Rejected
+    from sluice.actors.scheduler.errors import AdmissionError
     from sluice.actors.scheduler.plan import InvalidParams
 
     try:
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                     sys.stdout.flush()
                 if out.finished:
                     finished = out
-    except (ModelLoadError, Rejected, InvalidParams, ValueError) as exc:
+    except (ModelLoadError, AdmissionError, InvalidParams, ValueError) as exc:
         print(f"sluice generate: {exc}", file=sys.stderr)
         return 2
     if args.json:

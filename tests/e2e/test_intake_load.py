@@ -67,7 +67,7 @@ async def test_a_burst_of_big_prompts_is_bounded_and_decoding_goes_on(null_daemo
                                   "null.max_model_len": 32768})
     gated = GatedTokenizer(handle.daemon.tokenizer.tokenizer)
     handle.daemon.tokenizer.tokenizer = gated
-    burst = [m.Generate(f"big-{i}", prompt=BIG_PROMPT, sampling=m.Sampling(max_tokens=2))
+    burst = [m.Generate(f"big-{i}", prompt=BIG_PROMPT, sampling=m.SamplingParams(max_tokens=2))
              for i in range(8)]
     ended: dict[str, object] = {}
     try:
@@ -101,7 +101,7 @@ async def test_a_burst_of_big_prompts_is_bounded_and_decoding_goes_on(null_daemo
             again: dict[str, object] = {}
             for i in range(fit):
                 await sock.send(client_codec.encode(m.Generate(
-                    f"again-{i}", prompt=BIG_PROMPT, sampling=m.Sampling(max_tokens=2))))
+                    f"again-{i}", prompt=BIG_PROMPT, sampling=m.SamplingParams(max_tokens=2))))
             await read_until(sock, again, fit)
             assert all(isinstance(outcome, m.Finished) for outcome in again.values()), again
     finally:
@@ -113,8 +113,8 @@ async def test_a_long_request_id_never_reaches_the_logs_whole(null_daemon) -> No
     long_id = "".join(f"{i:05d}" for i in range(2000))  # 10 kB, no repeated stretch
     crash_id = long_id[::-1]
     handle.daemon.tokenizer.tokenizer = FailsOnBoom(handle.daemon.tokenizer.tokenizer)
-    requests = [m.Generate(long_id, prompt="hi", sampling=m.Sampling(max_tokens=3)),
-                m.Generate(crash_id, prompt="boom", sampling=m.Sampling(max_tokens=3))]
+    requests = [m.Generate(long_id, prompt="hi", sampling=m.SamplingParams(max_tokens=3)),
+                m.Generate(crash_id, prompt="boom", sampling=m.SamplingParams(max_tokens=3))]
     ended: dict[str, object] = {}
     with structlog.testing.capture_logs() as logs, trio.fail_after(30):
         with Socket(zmq.DEALER) as sock:

@@ -37,7 +37,7 @@ async def outcomes(address: str, requests: list[m.Generate]) -> dict[str, object
 
 
 def generate(request_id: str, prompt: str | None = "hi", **fields) -> m.Generate:
-    sampling = fields.pop("sampling", m.Sampling(max_tokens=3))
+    sampling = fields.pop("sampling", m.SamplingParams(max_tokens=3))
     return m.Generate(request_id, prompt=prompt, sampling=sampling, **fields)
 
 
@@ -142,5 +142,5 @@ async def test_defaults_accept_an_ordinary_request(null_daemon) -> None:
     with trio.fail_after(20):
         ended = await outcomes(daemon.listen, [generate(
             "r" * 128, prompt="p" * 5000, tenant="default",
-            sampling=m.Sampling(max_tokens=3, stop=tuple("s" * 256 for _ in range(16))))])
+            sampling=m.SamplingParams(max_tokens=3, stop=tuple("s" * 256 for _ in range(16))))])
     assert_finished(ended["r" * 128])

@@ -61,7 +61,7 @@ class Ledger:
         """Wait for a last request to end: whatever the connection would still have been
         sent about the earlier ones came first."""
         rid = f"sentinel-{len(self.ends)}"
-        await self.peer.send(m.Generate(rid, prompt="hi", sampling=m.Sampling(max_tokens=1)))
+        await self.peer.send(m.Generate(rid, prompt="hi", sampling=m.SamplingParams(max_tokens=1)))
         await self.until_ended([rid])
 
     def assert_cancelled_once(self, rids) -> None:
@@ -75,7 +75,7 @@ class Ledger:
 def generate(rid: str, *, credits: int = 16, **prompt) -> m.Generate:
     if not prompt:
         prompt = {"prompt": f"tell me about {rid}"}
-    return m.Generate(rid, sampling=m.Sampling(max_tokens=MANY), credits=credits, **prompt)
+    return m.Generate(rid, sampling=m.SamplingParams(max_tokens=MANY), credits=credits, **prompt)
 
 
 async def statuses(control: str, condition) -> m.StatusReport:
@@ -180,7 +180,7 @@ async def test_cancel_while_tokenizing_ends_the_request_and_frees_its_bytes(
             done = [f"after-{i}" for i in range(held)]
             for rid in done:
                 await peer.send(m.Generate(rid, prompt=BIG_PROMPT,
-                                           sampling=m.Sampling(max_tokens=2)))
+                                           sampling=m.SamplingParams(max_tokens=2)))
             await ledger.until_ended(done)
             assert all(ledger.ends[rid][0].reason is m.FinishReason.LENGTH for rid in done)
             await ledger.settle()

@@ -83,20 +83,20 @@ async def test_a_closed_stream_refuses_what_was_routed_to_it(null_daemon) -> Non
     handle = await null_daemon()
     gateway = handle.daemon.gateway
     with trio.fail_after(30), RawPeer(handle.listen) as peer:
-        await peer.send(m.Generate("first", prompt="hi", sampling=m.Sampling(max_tokens=2)))
+        await peer.send(m.Generate("first", prompt="hi", sampling=m.SamplingParams(max_tokens=2)))
         assert isinstance((await peer.until_finished("first"))[-1], m.Finished)
         stream = gateway.streams[peer.identity]
         # what the gateway does when the peer is unreachable, then a Generate it routes to
         # the same stream before it has learnt that the stream closed
         stream.inbox.put(m.ClientGone(peer.identity))
-        stream.inbox.put(m.Generate("raced", prompt="hi", sampling=m.Sampling(max_tokens=2)))
+        stream.inbox.put(m.Generate("raced", prompt="hi", sampling=m.SamplingParams(max_tokens=2)))
         refused = await peer.receive()
         assert isinstance(refused, m.Rejected) and refused.request_id == "raced"
         assert refused.code is m.RejectCode.OVERLOADED and refused.field == "connection"
         while peer.identity in gateway.streams:
             await trio.sleep(0.01)
         # the same connection id again: a fresh stream serves it
-        await peer.send(m.Generate("again", prompt="hi", sampling=m.Sampling(max_tokens=3)))
+        await peer.send(m.Generate("again", prompt="hi", sampling=m.SamplingParams(max_tokens=3)))
         answers = await peer.until_finished("again")
         assert isinstance(answers[0], m.Accepted)
         assert answers[-1].reason is m.FinishReason.LENGTH
@@ -110,12 +110,12 @@ async def test_a_peer_reconnecting_under_a_closed_streams_id_is_served(null_daem
     identity = b"same-id-twice"
     with trio.fail_after(30):
         with RawPeer(handle.listen, identity) as first:
-            await first.send(m.Generate("a", prompt="hi", sampling=m.Sampling(max_tokens=2)))
+            await first.send(m.Generate("a", prompt="hi", sampling=m.SamplingParams(max_tokens=2)))
             assert isinstance((await first.until_finished("a"))[-1], m.Finished)
         while identity in gateway.streams:  # silent: its stream closes by heartbeat timeout
             await trio.sleep(0.05)
         with RawPeer(handle.listen, identity) as second:
-            await second.send(m.Generate("a", prompt="hi", sampling=m.Sampling(max_tokens=2)))
+            await second.send(m.Generate("a", prompt="hi", sampling=m.SamplingParams(max_tokens=2)))
             answers = await second.until_finished("a")
             assert isinstance(answers[0], m.Accepted)
             assert answers[-1].reason is m.FinishReason.LENGTH

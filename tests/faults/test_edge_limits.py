@@ -101,7 +101,7 @@ async def test_credits_are_clamped(null_daemon) -> None:
     handle = await null_daemon(**{"limits.max_credits": 3})
     with trio.fail_after(30), RawPeer(handle.listen) as peer:
         await peer.send(m.Generate("r", prompt="hi", credits=1_000_000,
-                                   sampling=m.Sampling(max_tokens=200, ignore_eos=True)))
+                                   sampling=m.SamplingParams(max_tokens=200, ignore_eos=True)))
         sent_ahead = await peer.receive_for(1.0)
         chunks = [msg for msg in sent_ahead if isinstance(msg, m.Chunk)]
         assert isinstance(sent_ahead[0], m.Accepted)

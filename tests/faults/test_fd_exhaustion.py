@@ -54,7 +54,7 @@ async def test_connections_past_the_fd_limit_cost_only_themselves(
             peer.setsockopt(zmq.LINGER, 0)
             peer.connect(listen)
             peer.send(client_codec.encode(m.Generate("r", prompt="hi",
-                                                     sampling=m.Sampling(max_tokens=2))))
+                                                     sampling=m.SamplingParams(max_tokens=2))))
             peers.append(peer)
         await trio.sleep(5)
         assert process.poll() is None, "the daemon died"

@@ -118,7 +118,7 @@ async def test_huge_credits_with_a_client_that_never_reads(
     # 64 long requests, each granting ~2**31 credits up front: every chunk may be sent at once,
     # far more than the socket buffers between the daemon and the flooder hold
     generates = [codec.encode(m.Generate(f"g{i}", prompt="flood", credits=2**31 - 1,
-                                         sampling=m.Sampling(max_tokens=30000, ignore_eos=True)))
+                                         sampling=m.SamplingParams(max_tokens=30000, ignore_eos=True)))
                  for i in range(64)]
     with Flooder(listen, generates, codec.encode(m.Heartbeat())) as flooder:
         await wait_until_stuck(control, flooder)

@@ -35,7 +35,7 @@ server_codec = Codec(m.SERVER_MESSAGES)
 VALID = [
     m.Generate("g", prompt="The capital of France is"),
     m.Generate("c", messages=(m.ChatMessage("user", "Hi!"),), priority=3, credits=4),
-    m.Generate("i", prompt_ids=(1, 504, 3458), sampling=m.Sampling(
+    m.Generate("i", prompt_ids=(1, 504, 3458), sampling=m.SamplingParams(
         max_tokens=4, temperature=0.7, top_p=0.9, top_k=40, seed=7, stop=("\n",),
         stop_token_ids=(2,), ignore_eos=True)),
     m.Credit("g", 8), m.Cancel("c"), m.Heartbeat(3), m.Describe(),

@@ -49,7 +49,7 @@ async def test_a_silent_peer_loses_its_stream_and_its_blocks(null_daemon) -> Non
             nursery.start_soon(serve_one)
             with RawPeer(f"tcp://127.0.0.1:{relay_port}") as peer:
                 await peer.send(m.Generate("long", prompt="hi", credits=1,
-                                           sampling=m.Sampling(max_tokens=30000,
+                                           sampling=m.SamplingParams(max_tokens=30000,
                                                                ignore_eos=True)))
                 assert isinstance(await peer.receive(), m.Accepted)
                 assert len(gateway.streams) == 1

@@ -81,7 +81,7 @@ async def test_a_cancel_that_crossed_a_finished_spares_a_later_request_with_that
         with trio.fail_after(60):
             # one credit: the first chunk goes out, the rest and the Finished wait in the
             # stream while the scheduler has already ended the request
-            await client.send(m.Generate("same", prompt="hi", sampling=m.Sampling(max_tokens=3),
+            await client.send(m.Generate("same", prompt="hi", sampling=m.SamplingParams(max_tokens=3),
                                          credits=1))
             while (await fetch_status(handle.control)).counters.finished < 1:
                 await trio.sleep(0.02)
@@ -91,7 +91,7 @@ async def test_a_cancel_that_crossed_a_finished_spares_a_later_request_with_that
             await trio.sleep(0.2)  # the Release has reached the scheduler
 
             await client.send(m.Generate("same", prompt="hi again",
-                                         sampling=m.Sampling(max_tokens=3), credits=10))
+                                         sampling=m.SamplingParams(max_tokens=3), credits=10))
             finished, tokens = await client.until_finished("same")
             assert finished.reason == m.FinishReason.LENGTH
             assert len(tokens) == 3

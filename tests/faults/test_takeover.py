@@ -21,7 +21,7 @@ from raw_peer import RawPeer
 def paused(rid: str) -> m.Generate:
     """A long request that stops for want of credits once it sent one chunk."""
     return m.Generate(rid, prompt="hi", credits=1,
-                      sampling=m.Sampling(max_tokens=4000, ignore_eos=True))
+                      sampling=m.SamplingParams(max_tokens=4000, ignore_eos=True))
 
 
 async def test_without_curve_a_routing_id_in_use_is_not_handed_over(null_daemon) -> None:
@@ -75,7 +75,7 @@ async def test_with_curve_a_stream_is_bound_to_its_key(null_daemon) -> None:
         with newcomer:
             await newcomer.send(m.Cancel("mine"))
             await newcomer.send(m.Generate("theirs", prompt="hi",
-                                           sampling=m.Sampling(max_tokens=2)))
+                                           sampling=m.SamplingParams(max_tokens=2)))
             answers = [a for a in await newcomer.until_finished("mine")
                        if getattr(a, "request_id", "") == "mine"]
             assert [type(a) for a in answers] == [m.Rejected]  # nothing of the owner's
@@ -91,7 +91,7 @@ async def test_with_curve_a_stream_is_bound_to_its_key(null_daemon) -> None:
                 assert theirs[-1].reason is m.FinishReason.LENGTH
             while gateway.streams.get(identity) is old_stream:  # it ended, its request released
                 await trio.sleep(0.01)
-            await newcomer.send(m.Generate("again", prompt="hi", sampling=m.Sampling(max_tokens=2)))
+            await newcomer.send(m.Generate("again", prompt="hi", sampling=m.SamplingParams(max_tokens=2)))
             answers = await newcomer.until_finished("again")
             assert isinstance(answers[0], m.Accepted)
             assert answers[-1].reason is m.FinishReason.LENGTH

@@ -57,7 +57,7 @@ class RawClient:
 
 def generate(rid: str, max_tokens: int = 4) -> m.Generate:
     return m.Generate(rid, prompt="hello", tenant="someone-else", credits=100000,
-                      sampling=m.Sampling(max_tokens=max_tokens, ignore_eos=True))
+                      sampling=m.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
 async def test_curve_keys_decide_service_and_tenant(null_daemon) -> None:

@@ -1,7 +1,7 @@
 """The shape of the package, read from its source: no import cycles, and the layering of
-DESIGN §1 (kernels import nothing of ours, the scheduler core no trio, sockets or model,
-`ipc/` no actor, daemon or console, the console only `ipc/`), small scheduler-core files and
-no mixins.
+DESIGN §1 (kernels import nothing of ours, the scheduler core no trio, sockets or model and
+of ours only the vocabulary it shares with the wire, `ipc/` no actor, daemon or console, the
+console only `ipc/`), small scheduler-core files and no mixins.
 
 Imports are read with `ast`, never executed: the module-level ones and those under
 `if TYPE_CHECKING:` (a cycle hidden there is still a cycle in the design). Imports inside
@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CORE = "sluice.actors.scheduler"
 MAX_CORE_LINES = 420  # "about 400"
 BANNED_IN_CORE = ("trio", "zmq", "torch", "socket", "ssl", "asyncio", "selectors", "msgpack")
+# what the core may import from outside itself: the values it shares with the client protocol
+SHARED_VOCABULARY = "sluice.ipc.vocabulary"
 
 
 @dataclass
@@ -195,8 +197,17 @@ def test_the_scheduler_core_has_no_io_and_no_actor() -> None:
             continue
         banned = _externals(module.imports) & set(BANNED_IN_CORE)
         assert not banned, f"{name} imports {sorted(banned)}"
-        outside = {i for i in _ours(module.imports) if not _under(i, CORE)}
+        outside = {
+            i for i in _ours(module.imports) if not (_under(i, CORE) or i == SHARED_VOCABULARY)
+        }
         assert not outside, f"{name} imports {sorted(outside)} from outside the core"
+
+
+def test_the_shared_vocabulary_imports_nothing() -> None:
+    """The one module both the core and `ipc/` may import stands on the standard library."""
+    module = MODULES[SHARED_VOCABULARY]
+    assert _ours(module.imports) == set()
+    assert _externals(module.imports) <= {"__future__", "dataclasses", "enum", "functools"}
 
 
 def test_ipc_imports_no_actor_daemon_or_console() -> None:

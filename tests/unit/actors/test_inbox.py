@@ -24,9 +24,9 @@ class Recorder(Actor):
         self.starts += 1
 
     def handlers(self):
-        return {m.Pause: self.on_pause, int: self.on_int}
+        return {m.PauseDecoding: self.on_pause, int: self.on_int}
 
-    async def on_pause(self, msg: m.Pause) -> None:
+    async def on_pause(self, msg: m.PauseDecoding) -> None:
         self.seen.append(msg)
 
     async def on_int(self, value: int) -> None:
@@ -40,12 +40,12 @@ async def test_messages_cross_an_inproc_socket_in_order() -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(actor.run)
         for i in range(300):
-            sender.put(m.Pause(f"r{i}") if i % 2 else i)
+            sender.put(m.PauseDecoding(f"r{i}") if i % 2 else i)
         with trio.fail_after(5):
             while len(actor.seen) < 300:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
-    assert actor.seen == [m.Pause(f"r{i}") if i % 2 else i for i in range(300)]
+    assert actor.seen == [m.PauseDecoding(f"r{i}") if i % 2 else i for i in range(300)]
     sender.close()
     actor.close()
 
@@ -101,7 +101,7 @@ async def test_step_path_messages_are_handed_over_in_order_with_encoded_ones() -
     sender = Outbox(inbox.address)
     chunk = m.Chunk("r1", "hi", (1, 2))
     finished = m.Finished("r1", m.FinishReason.LENGTH)
-    deliveries = [m.Deliver((chunk,)), m.Pause("r1"), m.Deliver((finished,))]
+    deliveries = [m.Deliver((chunk,)), m.PauseDecoding("r1"), m.Deliver((finished,))]
     for msg in deliveries:
         sender.put(msg)
     taken = [inbox.get_nowait() for _ in deliveries]

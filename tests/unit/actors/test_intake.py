@@ -18,8 +18,8 @@ def chat(*contents: str) -> tuple[m.ChatMessage, ...]:
     return tuple(m.ChatMessage("user", content) for content in contents)
 
 
-def stops(*strings: str) -> m.Sampling:
-    return m.Sampling(stop=strings)
+def stops(*strings: str) -> m.SamplingParams:
+    return m.SamplingParams(stop=strings)
 
 
 # (fields exactly at a limit, the same one step over it, code, field, limit name)

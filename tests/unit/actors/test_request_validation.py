@@ -1,8 +1,9 @@
 """Everything a client can put in a Generate is either accepted or refused with the field named.
 
-This is the daemon's validation path without sockets: the codec, then the intake limits the
-Stream checks (small ones here, so that they are hit), then the checks the Tokenizer actor
-makes before tokenizing. Hypothesis drives well over a thousand cases.
+This is the daemon's validation path without sockets: the codec (which also builds the
+sampling parameters, and so checks their ranges), then the intake limits the Stream checks
+(small ones here, so that they are hit), then the checks the Tokenizer actor makes before
+tokenizing. Hypothesis drives well over a thousand cases.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.actors.scheduler.plan import InvalidParams, SamplingParams
-from sluice.actors.intake import check_generate, check_prompt_form, sampling_from_wire
+from sluice.actors.intake import check_generate, check_prompt_form
 from sluice.actors.limits import Limits
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
+from sluice.ipc.vocabulary import InvalidParams, SamplingParams
 
 VOCAB = 1000
 codec = Codec(m.CLIENT_MESSAGES, max_frame_bytes=4096)
@@ -68,7 +69,7 @@ def validate(frame: bytes, limits: Limits = LIMITS) -> SamplingParams:
     if refused is not None:
         raise OverLimit(refused)
     check_prompt_form(msg, VOCAB)
-    return sampling_from_wire(msg.sampling)
+    return msg.sampling
 
 
 @settings(max_examples=1200, deadline=None)
@@ -114,8 +115,8 @@ def test_absurd_sampling_values_name_the_parameter() -> None:
         raw[3]["sampling"] = {name: value}
         try:
             validate(msgpack.packb(raw))
-        except InvalidParams as exc:
-            assert exc.field == name
+        except CodecError as exc:
+            assert exc.field == f"sampling.{name}" and exc.code is m.RejectCode.INVALID
         else:
             raise AssertionError(f"{name}={value} was accepted")
 

@@ -7,6 +7,7 @@ from sluice.actors import scheduler_commands as commands
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig, TenantConfig
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
 from sluice.ipc import messages as m
+from sluice.ipc.vocabulary import FinishReason
 
 WORKER = m.WorkerStatus("ready", 2, 1234)
 CONNECTION = b"\x01\x02"
@@ -30,7 +31,7 @@ def test_cancel_ends_a_live_request_and_frees_its_blocks() -> None:
     _running(core, "a")
     reply, outputs = commands.cancel(core, "a")
     assert reply.ok and reply.message == "cancelled a"
-    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "cancelled")]
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", FinishReason.CANCELLED)]
     assert core.kv_cache.num_used_blocks == 0
     reply, outputs = commands.cancel(core, "a")
     assert not reply.ok and outputs == [] and "no live request a" in reply.message

@@ -83,9 +83,9 @@ async def test_high_watermark_pauses_and_low_watermark_resumes(autojump_clock, n
     await h.deliver(*(chunk("t", i) for i in range(3)))
     assert drain(h.tokenizer) == []  # at the watermark, not past it
     await h.deliver(chunk("t", 3))
-    assert drain(h.tokenizer) == [m.Pause(rid)]
+    assert drain(h.tokenizer) == [m.PauseDecoding(rid)]
     await h.tell(m.Credit("r", 1))  # the whole buffer leaves as one chunk
-    assert drain(h.tokenizer) == [m.Resume(rid)]
+    assert drain(h.tokenizer) == [m.ResumeDecoding(rid)]
 
 
 async def test_paused_past_pause_timeout_is_released_with_timeout(autojump_clock, nursery) -> None:
@@ -93,7 +93,7 @@ async def test_paused_past_pause_timeout_is_released_with_timeout(autojump_clock
     await h.start(nursery)
     rid = await h.generate(credits=0)
     await h.deliver(*(chunk("t", i) for i in range(5)))
-    assert drain(h.tokenizer) == [m.Pause(rid)]
+    assert drain(h.tokenizer) == [m.PauseDecoding(rid)]
     for _ in range(4):  # keep the connection alive: it is slow, not gone
         await trio.sleep(1)
         await h.tell(m.Heartbeat())

@@ -26,9 +26,9 @@ def decode_error(raw: bytes, codec: Codec = client_codec) -> CodecError:
 @pytest.mark.parametrize(
     "msg",
     [
-        m.Generate("r1", prompt="hello", sampling=m.Sampling(max_tokens=3, stop=("\n",))),
+        m.Generate("r1", prompt="hello", sampling=m.SamplingParams(max_tokens=3, stop=("\n",))),
         m.Generate("r2", messages=(m.ChatMessage("user", "hi ☃"),), priority=-2, tenant="b"),
-        m.Generate("r3", prompt_ids=(1, 2, 3), sampling=m.Sampling(seed=7, top_k=5)),
+        m.Generate("r3", prompt_ids=(1, 2, 3), sampling=m.SamplingParams(seed=7, top_k=5)),
         m.Credit("r1", 4),
         m.Cancel("r1"),
         m.Heartbeat(9),

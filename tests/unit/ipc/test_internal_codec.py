@@ -31,11 +31,11 @@ def roundtrip(msg):
 
 @pytest.mark.parametrize("msg", [
     m.Encode(m.Generate("r1", messages=(m.ChatMessage("user", "hi"),),
-                        sampling=m.Sampling(max_tokens=4, stop=("x",))),
+                        sampling=m.SamplingParams(max_tokens=4, stop=("x",))),
              "abcd/r1", b"\x00\xffconn", "inproc://stream", 12.5),
     m.Admit("abcd/r1", b"conn", (1, 2, 3), SAMPLING, 2, "tenant-a", 1.5),
     m.Release(("a/1", "a/2"), m.FinishReason.TIMEOUT),
-    m.Refused("a/1", m.RejectCode.TOO_LONG, "prompt too long", "prompt"),
+    m.AdmissionRefused("a/1", m.RejectCode.TOO_LONG, "prompt too long", "prompt"),
     m.Deliver((m.Accepted("r1", 7), CHUNK, CHUNK, FINISHED)),
     m.Deliver((CHUNK, CHUNK, CHUNK)),
     m.Outbound(b"conn", (b"frame-1", b"frame-2")),
@@ -43,7 +43,7 @@ def roundtrip(msg):
     m.Operate(m.CancelCommand("a/1"), "inproc://control", 5, frozenset({b"a", b"b"})),
     m.Operate("release_all"),
     m.Reply(5, m.CommandReply("cancel", True, "cancelled a/1")),
-    m.StepOutputs(tuple(RequestOutput(f"a/{i}", [i], finished=i == 2, finish_reason="length"
+    m.StepOutputs(tuple(RequestOutput(f"a/{i}", [i], finished=i == 2, finish_reason=m.FinishReason.LENGTH
                                       if i == 2 else None, prompt_tokens=4) for i in range(3))),
     m.StepOutputs((RequestOutput("a/1", [7], logprobs=[SampledToken(7, -0.25, [(7, -0.25)])]),)),
     reports.Backlog("tokenizer", 48),

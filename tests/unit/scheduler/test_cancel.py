@@ -5,6 +5,7 @@ from __future__ import annotations
 from scheduler_helpers import req, sample_all, step
 
 from sluice.actors.scheduler import RequestState
+from sluice.ipc.vocabulary import FinishReason
 
 
 def cancel_and_check(sched, rid, expected_state):
@@ -13,7 +14,7 @@ def cancel_and_check(sched, rid, expected_state):
     used_before = sched.kv_cache.num_used_blocks
     held = len(request.block_ids)
     out = sched.abort(rid)
-    assert out.finished and out.finish_reason == "cancelled"
+    assert out.finished and out.finish_reason is FinishReason.CANCELLED
     assert sched.kv_cache.num_used_blocks == used_before - held
     assert request.block_ids == [] and request.state is RequestState.CANCELLED
     assert rid not in sched.running and rid not in sched.paused and not request.in_queue

@@ -9,7 +9,7 @@ from sluice.actors.scheduler import (
     InvalidRequest,
     Overloaded,
     Quota,
-    Rejected,
+    AdmissionError,
     Request,
     RequestState,
     SchedulerConfig,
@@ -18,6 +18,7 @@ from sluice.actors.scheduler import (
 )
 from sluice.actors.scheduler.config import ConfigError
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
+from sluice.ipc.vocabulary import FinishReason, RejectCode
 
 
 def test_prompt_is_chunked_and_the_last_chunk_samples(make_sched):
@@ -102,10 +103,10 @@ def test_fcfs_admits_in_arrival_order(make_sched, clock):
 @pytest.mark.parametrize(
     "sampling,token,reason,count",
     [
-        (dict(max_tokens=3), 7, "length", 3),
-        (dict(max_tokens=9, stop_token_ids=(7,)), 7, "stop", 1),
-        (dict(max_tokens=9), 2, "stop", 1),  # 2 is EOS
-        (dict(max_tokens=9, ignore_eos=True), 2, "length", 9),
+        (dict(max_tokens=3), 7, FinishReason.LENGTH, 3),
+        (dict(max_tokens=9, stop_token_ids=(7,)), 7, FinishReason.STOP, 1),
+        (dict(max_tokens=9), 2, FinishReason.STOP, 1),  # 2 is EOS
+        (dict(max_tokens=9, ignore_eos=True), 2, FinishReason.LENGTH, 9),
     ],
 )
 def test_finish_reasons_release_blocks(make_sched, sampling, token, reason, count):
@@ -130,7 +131,7 @@ def test_max_model_len_ends_with_length(make_sched):
     outputs = []
     while sched.has_unfinished():
         outputs += step(sched)[1]
-    assert len(outputs) == 2 and outputs[-1].finish_reason == "length"
+    assert len(outputs) == 2 and outputs[-1].finish_reason is FinishReason.LENGTH
 
 
 def test_abort_frees_blocks_immediately_and_reports_usage(make_sched):
@@ -139,7 +140,7 @@ def test_abort_frees_blocks_immediately_and_reports_usage(make_sched):
     step(sched)
     assert sched.kv_cache.num_used_blocks == 3
     out = sched.abort("a")
-    assert out.finished and out.finish_reason == "cancelled" and out.prompt_tokens == 9
+    assert out.finished and out.finish_reason is FinishReason.CANCELLED and out.prompt_tokens == 9
     assert sched.kv_cache.num_used_blocks == 0
     assert sched.abort("a") is None and sched.abort("nope") is None
     sched.check_invariants()
@@ -150,7 +151,7 @@ def test_finish_from_the_engine_ends_with_stop(make_sched):
     sched.add_request(req("a", max_tokens=10))
     step(sched)
     out = sched.finish("a")
-    assert out.finish_reason == "stop" and sched.get_request("a").state is RequestState.FINISHED
+    assert out.finish_reason is FinishReason.STOP and sched.get_request("a").state is RequestState.FINISHED
     assert sched.kv_cache.num_used_blocks == 0
 
 
@@ -172,7 +173,7 @@ def test_missing_sample_fails_only_that_request(make_sched):
     plan = sched.schedule()
     outputs = sched.update(plan, StepResult(plan.step_id, {"b": SampledToken(3)}))
     by_id = {o.request_id: o for o in outputs}
-    assert by_id["a"].finish_reason == "error" and by_id["b"].new_token_ids == [3]
+    assert by_id["a"].finish_reason is FinishReason.ERROR and by_id["b"].new_token_ids == [3]
     sched.check_invariants()
 
 
@@ -209,9 +210,9 @@ def test_rejections_are_typed_and_name_the_field(make_sched, make_request, error
     )
     with pytest.raises(error) as info:
         sched.add_request(make_request())
-    assert isinstance(info.value, Rejected)
-    assert field in info.value.message
-    assert info.value.code in ("invalid", "too_long", "quota")
+    assert isinstance(info.value, AdmissionError)
+    assert info.value.field == field and field in info.value.message
+    assert info.value.code in (RejectCode.INVALID, RejectCode.TOO_LONG, RejectCode.QUOTA)
     sched.add_request(req("ok"))  # keeps serving
     assert sched.has_unfinished()
 

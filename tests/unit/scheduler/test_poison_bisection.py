@@ -6,6 +6,9 @@ from __future__ import annotations
 from scheduler_helpers import req, sample_all
 
 from sluice.actors.scheduler.plan import StepPlan
+from sluice.ipc.vocabulary import FinishReason
+
+ERROR = FinishReason.ERROR
 
 POISON = 40_000  # a prompt token that "kills the worker" whenever a step computes it
 
@@ -16,7 +19,7 @@ def kills_worker(plan: StepPlan) -> bool:
 
 def run(sched, max_losses: int = 3, limit: int = 500):
     """Drive the core like the actor does; returns (finish reasons, lost plans)."""
-    reasons: dict[str, str] = {}
+    reasons: dict[str, FinishReason] = {}
     lost: list[StepPlan] = []
     for _ in range(limit):
         if not sched.has_unfinished():
@@ -48,7 +51,7 @@ def test_only_the_poison_request_fails_and_its_batch_finishes(make_sched):
     for i, rid in enumerate(innocents[3:]):
         sched.add_request(req(rid, max_tokens=6, first=1000 * (i + 1)))
     reasons, lost = run(sched)
-    assert reasons == {"bad": "error", **{rid: "length" for rid in innocents}}
+    assert reasons == {"bad": ERROR, **{rid: FinishReason.LENGTH for rid in innocents}}
     assert len(lost[0].seqs) == 7  # they really were batched together
     for rid in innocents:
         assert sched.get_request(rid).output_token_ids == [7] * 6
@@ -63,7 +66,7 @@ def test_a_lone_poison_request_fails_after_max_losses(make_sched):
     sched = make_sched(max_prefill_chunk=64)
     sched.add_request(poisoned("bad", max_tokens=4))
     reasons, lost = run(sched, max_losses=3)
-    assert reasons == {"bad": "error"} and len(lost) == 3
+    assert reasons == {"bad": ERROR} and len(lost) == 3
 
 
 def test_a_suspect_is_cleared_only_past_the_point_where_the_worker_died(make_sched):
@@ -75,7 +78,7 @@ def test_a_suspect_is_cleared_only_past_the_point_where_the_worker_died(make_sch
     bad.prompt_token_ids[9] = POISON
     sched.add_request(bad)
     reasons, lost = run(sched)
-    assert reasons == {"bad": "error", "ok": "length"}
+    assert reasons == {"bad": ERROR, "ok": FinishReason.LENGTH}
     assert len(lost) == 1 + 3
     assert all([s.request_id for s in plan.seqs] == ["bad"] for plan in lost[1:])
 
@@ -92,7 +95,7 @@ def test_others_keep_running_while_a_suspect_is_paused(make_sched):
         plan = sched.schedule()
         sched.update(plan, sample_all(plan))
         sched.check_invariants()
-    assert sched.get_request("b").finish_reason == "length"
+    assert sched.get_request("b").finish_reason is FinishReason.LENGTH
     sched.resume("a")
     reasons, lost = run(sched)
-    assert reasons == {"a": "length"} and lost == []
+    assert reasons == {"a": FinishReason.LENGTH} and lost == []

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from scheduler_helpers import FakeClock
 
-from sluice.actors.scheduler import Rejected, Request, Scheduler, SchedulerConfig
+from sluice.actors.scheduler import AdmissionError, Request, Scheduler, SchedulerConfig
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
 
 EOS = 2
@@ -87,7 +87,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         try:
             self.sched.add_request(request)
-        except Rejected:
+        except AdmissionError:
             return
         self.live.add(rid)
 

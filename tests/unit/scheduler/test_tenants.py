@@ -11,6 +11,7 @@ from sluice.actors.scheduler.config import TenantConfig
 from sluice.actors.scheduler.errors import InvalidRequest, Quota
 from sluice.actors.scheduler.plan import SamplingParams
 from sluice.daemon.metrics import OTHER_TENANTS, bounded_tenants
+from sluice.ipc.vocabulary import FinishReason, RejectCode
 
 
 def run_to_end(sched, limit=500):
@@ -42,7 +43,7 @@ def test_closed_tenants_reject_a_name_nobody_created(make_sched):
     unknown = "^invalid: tenant: 'heavy' is not a tenant"
     with pytest.raises(InvalidRequest, match=unknown) as caught:
         sched.add_request(req("a", tenant="heavy"))
-    assert caught.value.code == "invalid"
+    assert caught.value.code is RejectCode.INVALID and caught.value.field == "tenant"
     # an invented name leaves nothing behind in the tenant tables
     assert "heavy" not in sched.ledger.usage and "heavy" not in sched.ledger.tenants
     sched.add_request(req("b", tenant="batch"))
@@ -67,7 +68,7 @@ def test_an_operator_created_tenant_is_accepted(make_sched):
     sched.configure_tenant("night", TenantConfig(weight=0.5))
     sched.add_request(req("b", tenant="night"))
     (out,) = [o for o in run_to_end(sched) if o.finished]
-    assert out.finish_reason == "length"
+    assert out.finish_reason is FinishReason.LENGTH
     assert sched.ledger.usage["night"].finished == 1
     sched.check_invariants()
 

@@ -1,0 +1,158 @@
+"""The values the client protocol and the scheduler core both speak.
+
+A client's sampling parameters travel unchanged from the frame that carries them to the
+worker that samples with them; a request ends with the `FinishReason`, or is refused with the
+`RejectCode`, that the scheduler core chose, and the client receives that value, never a
+spelling of it. The scheduler core (`sluice.actors.scheduler`) imports this module and
+`messages` puts the same types on the wire, so it imports nothing of sluice and nothing but
+the standard library: no sockets, no trio, no msgpack.
+
+What does not belong here: messages (see `messages`), encoding (see `codec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from dataclasses import dataclass
+
+
+class RejectCode(enum.IntEnum):
+    """Why a request or frame was refused before any work was done for it."""
+
+    INVALID = 1  # malformed frame or out-of-range parameter; `field` names it
+    TOO_LONG = 2  # prompt plus max_tokens exceed the model's context
+    OVERLOADED = 3  # queue full
+    DRAINING = 4  # the daemon is shutting down or drained by an operator
+    QUOTA = 5  # the tenant is over its limits
+    UNAUTHORIZED = 6
+    PROTOCOL_VERSION = 7  # the frame's major version differs from the daemon's
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 1  # EOS, a stop token or a stop string
+    LENGTH = 2  # max_tokens or the model's context reached
+    CANCELLED = 3  # the client cancelled, or went away
+    TIMEOUT = 4  # paused by backpressure longer than pause_timeout
+    ERROR = 5  # an actor or the worker failed for this request
+    PREEMPTED_ABORT = 6  # preempted and could not be resumed
+
+
+class InvalidParams(ValueError):
+    """A request parameter is out of range: `field` names it, `message` says why."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens, and when it stops.
+
+    The same object is what a client sends in `Generate.sampling`, what the scheduler core
+    plans with and what the worker samples with. It checks its ranges when it is built (the
+    wire codec builds it as a frame is decoded, so a bad value costs a `Rejected` naming
+    `sampling.<field>`); `from_plain` trusts values that were checked by the sender.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # on prompt and output tokens, as in transformers
+    presence_penalty: float = 0.0  # on output tokens
+    frequency_penalty: float = 0.0  # on output tokens
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, handled by the detokenizer, never sent
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per sampled token, None for none
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise InvalidParams("max_tokens", "must be an integer")
+        if self.max_tokens < 1:
+            raise InvalidParams("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise InvalidParams("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidParams("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidParams("top_k", f"must be an integer >= 0, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidParams("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidParams(
+                "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise InvalidParams(name, f"must be in [-2, 2], got {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidParams("seed", f"must be a non-negative integer, got {self.seed!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+        ):
+            raise InvalidParams("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidParams("stop", "stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @functools.cached_property
+    def plain(self) -> tuple:
+        """The field values in order: the compact form, and a cheap key for equal params."""
+        return tuple(getattr(self, name) for name in _SAMPLING_FIELDS)
+
+    def to_plain(self) -> tuple:
+        return self.plain
+
+    @classmethod
+    def from_plain(cls, values: list | tuple) -> SamplingParams:
+        # no `__init__`: the sender's params passed `validate()` already
+        params = object.__new__(cls)
+        fields = dict(zip(_SAMPLING_FIELDS, values))
+        fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
+        fields["stop"] = tuple(fields["stop"])
+        params.__dict__.update(fields)
+        return params
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SamplingParams:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise InvalidParams(sorted(unknown)[0], "unknown sampling parameter")
+        values = dict(data)
+        for name in ("stop_token_ids", "stop"):
+            if name in values and values[name] is not None:
+                values[name] = tuple(values[name])
+        return cls(**values)
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
