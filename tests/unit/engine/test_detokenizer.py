@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sluice.actors.text import IncrementalDetokenizer, RequestText
+from sluice.ipc.messages import FinishReason
 
 
 def stream(tokenizer, text: str, stop=()):
@@ -44,8 +45,9 @@ def test_earliest_of_several_stop_strings_wins(smollm_tokenizer):
 def test_held_back_text_is_released_only_when_the_request_ends_by_stop_or_length(
         smollm_tokenizer):
     ids = smollm_tokenizer.encode("alpha beta <|ST")  # ends in what could start the stop
-    for reason, released in (("length", True), ("stop", True), ("cancelled", False),
-                             ("error", False), ("timeout", False)):
+    for reason, released in ((FinishReason.LENGTH, True), (FinishReason.STOP, True),
+                             (FinishReason.CANCELLED, False), (FinishReason.ERROR, False),
+                             (FinishReason.TIMEOUT, False)):
         text = RequestText(smollm_tokenizer, ("<|STOP|>",), prompt_tokens=5)
         sent = text.push(ids)
         assert not text.stopped and "<|" not in sent
