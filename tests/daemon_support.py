@@ -184,3 +184,13 @@ class NotifyListener:
         with trio.fail_after(timeout):
             while self.drain().count(line) < count:
                 await trio.sleep(0.02)
+
+
+def taken_from(inbox) -> list:
+    """Every message waiting in an actor's inbox, taken without waiting."""
+    taken = []
+    while True:
+        try:
+            taken.append(inbox.get_nowait())
+        except trio.WouldBlock:
+            return taken

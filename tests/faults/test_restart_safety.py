@@ -16,6 +16,8 @@ from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
 
+from daemon_support import taken_from
+
 
 async def test_after_a_scheduler_crash_in_flight_requests_fail_and_new_ones_finish(
     null_daemon,
@@ -52,18 +54,9 @@ def _actor() -> tuple[SchedulerActor, Inbox, Inbox]:
     return actor, tokenizer, executor
 
 
-def _taken(inbox: Inbox) -> list:
-    taken = []
-    while True:
-        try:
-            taken.append(inbox.get_nowait())
-        except trio.WouldBlock:
-            return taken
-
-
 def _plans(inbox: Inbox) -> list[StepPlan]:
     """The plans the executor got, read as the worker reads them."""
-    return [decode_plan(msgpack.unpackb(p.frame)) for p in _taken(inbox)
+    return [decode_plan(msgpack.unpackb(p.frame)) for p in taken_from(inbox)
             if isinstance(p, PlanFrame)]
 
 
@@ -83,18 +76,18 @@ async def test_a_late_result_of_an_earlier_incarnations_plan_is_ignored() -> Non
         await actor.on_admit(_admit("old"))
         [old_plan] = _plans(executor)
         actor.reset()  # what the supervisor does after a crash: a fresh core, a new epoch
-        _taken(tokenizer)
+        taken_from(tokenizer)
         await actor.on_admit(_admit("new"))
         [new_plan] = _plans(executor)
 
         await actor.on_result_frame(_result(StepResult(old_plan.step_id,
                                                       {"old": SampledToken(9)})))
         assert actor.in_flight is not None, "a stale result must not end the step in flight"
-        assert not [o for o in _taken(tokenizer) if isinstance(o, m.StepOutputs)]
+        assert not [o for o in taken_from(tokenizer) if isinstance(o, m.StepOutputs)]
 
         await actor.on_result_frame(_result(StepResult(new_plan.step_id,
                                                       {"new": SampledToken(9)})))
-        outputs = [out for msg in _taken(tokenizer) if isinstance(msg, m.StepOutputs)
+        outputs = [out for msg in taken_from(tokenizer) if isinstance(msg, m.StepOutputs)
                    for out in msg.outputs]
         assert [(out.request_id, out.new_token_ids) for out in outputs] == [("new", [9])]
         actor.core.abort("new")

@@ -5,7 +5,6 @@ limit, stepping again on the report that there is room."""
 from __future__ import annotations
 
 import msgpack
-import trio
 
 from sluice.actors.base import Inbox
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
@@ -15,6 +14,8 @@ from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResul
 from sluice.actors.scheduler_actor import SchedulerActor
 from sluice.ipc import messages as m
 
+from daemon_support import taken_from
+
 
 class Recorder:
     def __init__(self) -> None:
@@ -22,15 +23,6 @@ class Recorder:
 
     def put(self, msg) -> None:
         self.sent.append(msg)
-
-
-def _taken(inbox: Inbox) -> list:
-    taken = []
-    while True:
-        try:
-            taken.append(inbox.get_nowait())
-        except trio.WouldBlock:
-            return taken
 
 
 def test_the_gauge_reports_moves_of_a_step_and_the_fall_to_zero() -> None:
@@ -49,18 +41,18 @@ async def test_the_scheduler_waits_for_room_downstream_then_steps_again() -> Non
                            downstream_limit=100)
     try:
         actor.reset()
-        _taken(executor)  # the AskWorker of a fresh incarnation
+        taken_from(executor)  # the AskWorker of a fresh incarnation
         await actor.on_admit(m.Admit("r", b"", (5, 6, 7), SamplingParams(max_tokens=8), 0,
                                      "default", 0.0))
-        [first] = [msg for msg in _taken(executor) if isinstance(msg, PlanFrame)]
+        [first] = [msg for msg in taken_from(executor) if isinstance(msg, PlanFrame)]
         await actor.on_backlog(Backlog("tokenizer", 80))
         await actor.on_backlog(Backlog("gateway", 40))  # 120 together: over the limit
         step_id = decode_plan(msgpack.unpackb(first.frame)).step_id
         await actor.on_result_frame(ResultFrame(encode_result(
             StepResult(step_id, {"r": SampledToken(9)}))))
-        assert not _taken(executor), "no step while downstream is behind"
+        assert not taken_from(executor), "no step while downstream is behind"
         await actor.on_backlog(Backlog("tokenizer", 32))  # 72: room again
-        assert [msg for msg in _taken(executor) if isinstance(msg, PlanFrame)]
+        assert [msg for msg in taken_from(executor) if isinstance(msg, PlanFrame)]
         actor.core.abort("r")
         actor.core.check_invariants()
     finally:
