@@ -3,7 +3,8 @@
 Started by the Executor actor as `python -m sluice.actors.executor.worker --endpoint ...`.
 It connects, builds a `ModelRunner`, says `hello` with the facts the scheduler needs, then
 serves requests one at a time: `step` (a StepPlan -> a StepResult), `health` (a known-answer
-forward on a fresh pool), `stop`. It exits by itself when its parent goes away.
+forward on a fresh pool), `stop`. It dies with its parent, whatever it is doing then: a
+worker left behind by a killed daemon would hold its memory (and a GPU) for nobody.
 
 The plan/result encoding used on this socket lives here too, so both ends share it. A plan
 is encoded once, by the Scheduler actor, and a result decoded once, by the Scheduler actor:
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -110,8 +112,28 @@ def _log_to_stderr() -> None:
     )
 
 
+PARENT_CHECK_SECONDS = 0.5
+
+
+def die_with_parent() -> None:
+    """Exit when the daemon goes away, even mid-load or inside a step that never returns: a
+    thread polls the parent pid, since a main thread stuck in native code never reaches a
+    check of its own. (Not prctl's PR_SET_PDEATHSIG: it fires when the parent *thread* that
+    spawned us exits, and trio spawns processes from its worker threads, which end when
+    idle.)"""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_SECONDS)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    die_with_parent()
     if args.debug_fail_start_if and os.path.exists(args.debug_fail_start_if):
         print("sluice-worker: test fault: refusing to start", file=sys.stderr)
         return 3
@@ -124,7 +146,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    parent = os.getppid()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
@@ -139,10 +160,6 @@ def main(argv: list[str] | None = None) -> int:
         "kv_dtype": dtype_name(runner.model.kv_dtype),
     }))
     while True:
-        if not sock.poll(1000):
-            if os.getppid() != parent:
-                return 0  # orphaned: the daemon is gone
-            continue
         msg = msgpack.unpackb(sock.recv(), strict_map_key=False)
         op = msg.get("op")
         if op == "stop":
