@@ -4,8 +4,10 @@ llama.cpp's own server batches the way this runner does: N parallel sequences sh
 `llama_decode` call per step, each generating sequence adds its one fed-back token and
 sequences still reading their prompt add a chunk of it, all under one batch budget (the
 server's continuous batching with chunked prompt ingestion). It runs on the GGUF file as it
-is, so it reads the file's own (4-bit) weights where sluice dequantizes them. Greedy, EOS
-ignored, per-request output lengths, the same token ids as every other system.
+is, so it reads the file's own (4-bit) weights where sluice dequantizes them. EOS ignored,
+per-request output lengths, the same token ids as every other system; greedy, or sampled as
+its server samples: one sampler chain per sequence (temperature, top-p, then a draw seeded
+per request), llama.cpp's own.
 
 llama-cpp-python is the optional `bench` extra (`pip install -e '.[bench]'`); `make run` and
 `make test` never need it. Its low-level API moved between releases, so the few calls that
@@ -72,17 +74,23 @@ class LlamaCppRunner:
     def system_info(self) -> str:
         return self.lib.llama_print_system_info().decode(errors="replace").strip()
 
-    def run(self, prompts: list[list[int]], output_lens: list[int]) -> tuple[float, list[list[int]]]:
-        """Seconds from the first decode to the last token, and each request's output."""
+    def run(self, prompts: list[list[int]], output_lens: list[int], *,
+            temperature: float = 0.0, top_p: float = 1.0,
+            seeds: list[int] | None = None) -> tuple[float, list[list[int]]]:
+        """Seconds from the first decode to the last token, and each request's output.
+        Greedy at temperature 0; else request i draws with seed `seeds[i]`."""
         lib, batch = self.lib, self.batch
         pending = deque(range(len(prompts)))
         free_slots = list(range(self.parallel))
-        active: dict[int, dict] = {}  # slot -> {request, fed, out}
+        active: dict[int, dict] = {}  # slot -> {request, fed, out, sampler}
         outputs: list[list[int]] = [[] for _ in prompts]
         started = time.perf_counter()
         while pending or active:
             while pending and free_slots:
-                active[free_slots.pop()] = {"request": pending.popleft(), "fed": 0}
+                request = pending.popleft()
+                sampler = None if temperature == 0.0 else \
+                    self._sampler(temperature, top_p, seeds[request] if seeds else request)
+                active[free_slots.pop()] = {"request": request, "fed": 0, "sampler": sampler}
             n = 0
             wants_logits: list[tuple[int, int]] = []  # (batch index, slot)
             # generating sequences first: a decode token never waits behind a prompt
@@ -110,17 +118,33 @@ class LlamaCppRunner:
                 seq = active[slot]
                 if seq["fed"] < len(prompts[seq["request"]]):
                     continue
-                logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, index),
-                                               shape=(self.n_vocab,))
                 out = outputs[seq["request"]]
-                out.append(int(logits.argmax()))
+                if seq["sampler"] is None:
+                    logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, index),
+                                                   shape=(self.n_vocab,))
+                    out.append(int(logits.argmax()))
+                else:  # sample also accepts the token into the chain's state
+                    out.append(int(lib.llama_sampler_sample(seq["sampler"], self.ctx, index)))
                 if len(out) > 1:
                     seq["fed"] += 1  # the fed-back token just decoded now sits in the cache
                 if len(out) >= output_lens[seq["request"]]:
+                    if seq["sampler"] is not None:
+                        lib.llama_sampler_free(seq["sampler"])
                     self._forget(slot)
                     del active[slot]
                     free_slots.append(slot)
         return time.perf_counter() - started, outputs
+
+    def _sampler(self, temperature: float, top_p: float, seed: int):
+        """llama.cpp's chain as its server builds it for these settings: top-p, temperature,
+        then a seeded draw from what is left."""
+        lib = self.lib
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if top_p < 1.0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(top_p, 1))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(temperature))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return chain
 
     def _add(self, index: int, token: int, pos: int, seq: int, logits: bool) -> None:
         batch = self.batch

@@ -503,13 +503,14 @@ def run_llamacpp(model_path: Path, workload: Workload, sampling: Sampling, threa
         return Result("llama-cpp", error=missing)
     if model_path.is_dir():
         return Result("llama-cpp", error="llama.cpp runs GGUF files; --model is a folder")
-    if not sampling.greedy:
-        return Result("llama-cpp", error="the llama.cpp runner samples greedily only")
     runner = LlamaCppRunner(model_path, threads=threads, parallel=parallel)
     try:
         runner.run([workload.prompts[0][:8]], [2])  # warm-up
         runner.decode_calls = runner.decoded_tokens = 0
-        seconds, tokens = runner.run(workload.prompts, workload.output_lens)
+        seeds = [sampling.seed(i) for i in range(len(workload.prompts))]
+        seconds, tokens = runner.run(workload.prompts, workload.output_lens,
+                                     temperature=sampling.temperature, top_p=sampling.top_p,
+                                     seeds=None if sampling.greedy else seeds)
         per_call = runner.decoded_tokens / max(1, runner.decode_calls)
         info = runner.system_info()
     finally:
