@@ -29,10 +29,15 @@ from sluice.ipc.control import fetch_status
 from sluice.ipc.errors import SluiceError
 from sluice.ipc.sockets import Socket
 
+from soak_wire import HOSTILE_TENANT
+
 # small frames keep oversize probes cheap for this machine; a connection cap the hoarding
 # clients can exceed without costing this machine many file descriptors
 MAX_FRAME_BYTES = 1024 * 1024
 MAX_CONNECTIONS = 64
+# requests of the hostile tenant holding KV at once: what an operator would give a tenant it
+# does not trust, a fraction of what the batch holds on each executor
+HOSTILE_RUNNING = {"model": 8, "null": 64}
 
 CONFIG = """
 [daemon]
@@ -47,6 +52,10 @@ pause_timeout = 3.0
 [limits]
 max_frame_bytes = {max_frame_bytes}
 max_connections = {max_connections}
+
+[scheduler.tenants.{hostile_tenant}]
+max_running = {hostile_running}
+max_queued = 64
 """
 
 MODEL_CONFIG = """
@@ -82,7 +91,9 @@ class DaemonProcess:
 def start_daemon(executor: str, folder: Path, *, timeout: float = 300.0) -> DaemonProcess:
     """Run `sluiced serve` on loopback with the soak config; return once it said ready."""
     config = folder / "sluiced.toml"
-    text = CONFIG.format(max_frame_bytes=MAX_FRAME_BYTES, max_connections=MAX_CONNECTIONS)
+    text = CONFIG.format(max_frame_bytes=MAX_FRAME_BYTES, max_connections=MAX_CONNECTIONS,
+                         hostile_tenant=HOSTILE_TENANT,
+                         hostile_running=HOSTILE_RUNNING[executor])
     config.write_text(text + (MODEL_CONFIG if executor == "model" else NULL_CONFIG))
     log_path = folder / "sluiced.log"
     log_file = open(log_path, "w")

@@ -27,6 +27,11 @@ HEARTBEAT_SECONDS = 0.5
 # put in every prompt the soak sends, so the daemon's log can be searched for prompt text
 PROMPT_MARK = "soak-prompt-text-7f3a"
 
+# the hostile clients' tenant: the daemon promises isolation between tenants (fair shares,
+# caps), not between the clients of one tenant, so strangers get a tenant of their own, with
+# the limits an operator gives one (`soak_daemon.CONFIG`); the well-behaved use "default"
+HOSTILE_TENANT = "strangers"
+
 client_codec = Codec(m.CLIENT_MESSAGES)
 _server_codec = Codec(m.SERVER_MESSAGES, max_frame_bytes=64 * 1024 * 1024)
 
@@ -127,7 +132,8 @@ def connections_held():
 def generate(rid: str, max_tokens: int, *, credits: int = 16, prompt: str = "") -> m.Generate:
     return m.Generate(rid, prompt=f"{PROMPT_MARK} {prompt}",
                       sampling=m.SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                          ignore_eos=True), credits=credits)
+                                                ignore_eos=True),
+                      tenant=HOSTILE_TENANT, credits=credits)
 
 
 async def read_until_ended(client: RawClient, rids: set[str], timeout: float,
