@@ -43,6 +43,9 @@ class ControlHooks:
     """What the daemon lets the Control actor do beyond messages."""
 
     gateway: Outbox | None = None  # told Drain / EndDrain, asked for live connections
+    # where cancels and a drain's release go, on the route requests take to the scheduler
+    # (None: straight to the scheduler, for a daemon without one)
+    tokenizer: Outbox | None = None
     recover: Callable[[], Awaitable[str]] | None = None  # restart the worker; a line to report
     # debug-only faults by kind; None when the daemon does not allow fault injection
     faults: dict[str, Callable[[], Awaitable[str]]] | None = None
@@ -211,6 +214,8 @@ class Control(Actor):
         connections = frozenset()  # only reconcile looks at them: ask the gateway only then
         if isinstance(command, m.ReconcileCommand):
             connections = await self.connection_ids() or frozenset()
+        if actor is None and isinstance(command, (m.CancelCommand, am.ReleaseAll)):
+            actor = self.hooks.tokenizer  # it holds the requests still being tokenized
         return await self._ask(
             actor or self.scheduler,
             lambda address, token: am.Operate(command, address, token, connections))

@@ -11,9 +11,11 @@ detokenizer per request, so a chunk never splits a UTF-8 character and a stop st
 back until it can no longer match and is never sent; a matched stop string ends the request.
 
 It is also the one route from a request's Stream to the Scheduler: `Release`,
-`PauseDecoding` and `ResumeDecoding` come here in order behind the request's `Encode`. A
-request still held here (a long prompt on a thread or waiting for one) ends here: its tokenizing is called off, its bytes
-are given back and its Stream gets the `Finished`; one already admitted has the message
+`PauseDecoding` and `ResumeDecoding` come here in order behind the request's `Encode`, and
+so do an operator's cancel and a drain's release past its deadline (`Operate`). A request
+still held here (a long prompt on a thread or waiting for one) ends here: its tokenizing is
+called off, its bytes are given back and its Stream gets the `Finished`; one admitted has the
+message
 forwarded to the Scheduler behind its `Admit`, so nothing about a request overtakes it; one
 that already ended has its end on the way to the Stream, and the message is dropped.
 
@@ -29,6 +31,7 @@ After each message it tells the Scheduler how many messages its inbox still hold
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +46,7 @@ from sluice.actors.limits import Limits, clip
 from sluice.actors.reports import BacklogGauge
 from sluice.actors.text import RequestText
 from sluice.ipc import messages as m
-from sluice.ipc.vocabulary import InvalidParams
+from sluice.ipc.vocabulary import InvalidParams, SamplingParams
 
 log = structlog.get_logger("sluice.tokenizer")
 
@@ -81,8 +84,23 @@ class _Detok:
     reply_to: str  # the address of its Stream actor's inbox
     text: RequestText
     arrival: float
+    prompt_field: str  # what the client sent its prompt as: prompt | messages | prompt_ids
     admitted_at: float = 0.0
     first_token_at: float = 0.0
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def wire_field(core_field: str, prompt_field: str) -> str:
+    """The field a client sent, for one the scheduler core names in its own terms (the core
+    serves the in-process engine too, which takes `prompt_token_ids` and a flat
+    `SamplingParams`)."""
+    if core_field == "prompt_token_ids":
+        return prompt_field
+    if core_field in _SAMPLING_FIELDS:
+        return f"sampling.{core_field}"
+    return core_field
 
 
 class Tokenizer(Actor):
@@ -139,6 +157,7 @@ class Tokenizer(Actor):
             am.PauseDecoding: self.on_pause_or_resume,
             am.ResumeDecoding: self.on_pause_or_resume,
             am.Ask: self.on_ask,
+            am.Operate: self.on_operate,
         }
 
     async def on_ask(self, msg: am.Ask) -> None:
@@ -224,6 +243,8 @@ class Tokenizer(Actor):
         self.requests[msg.request_id] = _Detok(
             request.request_id, msg.reply_to,
             RequestText(self.tokenizer, sampling.stop, len(prompt_ids)), msg.arrival,
+            "prompt_ids" if request.prompt_ids is not None
+            else "messages" if request.messages is not None else "prompt",
         )
         self.stream_users[msg.reply_to] += 1
         self.scheduler.put(am.Admit(msg.request_id, msg.connection, tuple(prompt_ids), sampling,
@@ -242,26 +263,48 @@ class Tokenizer(Actor):
     async def on_admission_refused(self, msg: am.AdmissionRefused) -> None:
         state = self._end(msg.request_id)
         if state is not None:
-            self._deliver_one(state.reply_to, m.Rejected(state.client_id, msg.code, msg.message,
-                                                         msg.field))
+            self._deliver_one(state.reply_to, m.Rejected(
+                state.client_id, msg.code, msg.message, wire_field(msg.field, state.prompt_field)))
 
     async def on_release(self, msg: am.Release) -> None:
         """End what is held here; forward the rest behind its Admit (see the docstring)."""
-        forward = []
-        for rid in msg.request_ids:
-            held = self.tokenizing.pop(rid, None)
-            if held is not None:
-                self.pending_prompt_bytes -= held.size
-                held.scope.cancel()
-                encode = held.encode
-                timings = m.Timings(total=max(0.0, trio.current_time() - encode.arrival))
-                self._outbox(encode.reply_to).append(
-                    m.Finished(encode.generate.request_id, msg.reason, m.Usage(), timings))
-            elif rid in self.requests:
-                forward.append(rid)
+        forward = [rid for rid in msg.request_ids
+                   if not self._call_off(rid, msg.reason) and rid in self.requests]
         if forward:
             self.scheduler.put(am.Release(tuple(forward), msg.reason))
         self._deliver()
+
+    async def on_operate(self, msg: am.Operate) -> None:
+        """An operator's cancel, or a drain's release of everyone past its deadline, passes
+        here on its way to the scheduler, so that it reaches a request wherever it is: one
+        still tokenizing ends here, the rest are the scheduler's, behind their `Admit`."""
+        command = msg.command
+        cancelled = m.FinishReason.CANCELLED
+        if isinstance(command, m.CancelCommand) and self._call_off(command.request_id,
+                                                                   cancelled):
+            self._deliver()
+            if msg.reply_to:
+                self.askers.put(msg.reply_to, am.Reply(msg.token, m.CommandReply(
+                    "cancel", True, f"cancelled {command.request_id} while it was tokenized")))
+            return
+        if isinstance(command, am.ReleaseAll):
+            for rid in list(self.tokenizing):
+                self._call_off(rid, cancelled)
+            self._deliver()
+        self.scheduler.put(msg)
+
+    def _call_off(self, rid: str, reason: m.FinishReason) -> bool:
+        """End a request still tokenizing here with `reason`; whether there was one."""
+        held = self.tokenizing.pop(rid, None)
+        if held is None:
+            return False
+        self.pending_prompt_bytes -= held.size
+        held.scope.cancel()
+        encode = held.encode
+        timings = m.Timings(total=max(0.0, trio.current_time() - encode.arrival))
+        self._outbox(encode.reply_to).append(
+            m.Finished(encode.generate.request_id, reason, m.Usage(), timings))
+        return True
 
     async def on_pause_or_resume(self, msg: am.PauseDecoding | am.ResumeDecoding) -> None:
         # only an admitted request has chunks to pause for

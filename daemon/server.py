@@ -225,7 +225,8 @@ class Daemon:
         faults = None
         if self.config.debug_faults:
             faults = {"worker_down": self._stop_worker}  # vanish_stream: the gateway's own
-        return ControlHooks(gateway=gateway_inbox, recover=self.recover, faults=faults)
+        return ControlHooks(gateway=gateway_inbox, tokenizer=self._inboxes["tokenizer"],
+                            recover=self.recover, faults=faults)
 
     async def recover(self) -> str:
         """Restart the worker: replace a serving one, retry a failed one now, or start the
@@ -272,7 +273,8 @@ class Daemon:
                 await trio.sleep(0.05)
         if scope.cancelled_caught:
             finished = False
-            self._scheduler_inbox.put(am.Operate(am.ReleaseAll()))
+            # through the tokenizer, which ends the requests it still holds
+            self._inboxes["tokenizer"].put(am.Operate(am.ReleaseAll()))
             with trio.move_on_after(2.0):  # cancelled requests' Finished need no credit
                 while not await self._idle():
                     await trio.sleep(0.05)
