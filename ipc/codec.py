@@ -5,7 +5,9 @@ A frame is the msgpack array `[major, minor, tag, {field: value}]`, or a list of
 order: the frame size limit, that the bytes are msgpack, the protocol major version, the tag
 (against the set of messages the receiver accepts), and then every field's type, naming the
 offending field (dotted for nested values, `[i]` for an item, `['key']` for a map entry).
-Decoding never raises anything but `CodecError`.
+Decoding never raises anything but `CodecError`. A field is a scalar, an enum, a nested
+dataclass, or an optional, tuple or string-keyed map of those; a type the codec cannot
+check (`Any`) is refused when the codec is built.
 
 A value that checks its own ranges when it is built (`SamplingParams`: a top_p of 7) is
 refused here too, naming its field (`sampling.top_p`). Checks that need the daemon's limits (a
@@ -121,10 +123,6 @@ def _tuple_of(inner: _Check) -> _Check:
     return check
 
 
-def _check_any(value: Any, path: str) -> Any:
-    return value
-
-
 def _map_of(inner: _Check) -> _Check:
     def check(value: Any, path: str) -> dict:
         if type(value) is not dict:
@@ -213,14 +211,13 @@ def _compile(hint: Any) -> _Check:
     if isinstance(hint, type) and issubclass(hint, enum.IntEnum):
         return _enum_check(hint)
     if dataclasses.is_dataclass(hint):
-        return lambda value, path: _schema(hint).decode(value, path)
+        return _schema(hint).decode  # built now, so a field it cannot check fails here
     simple: dict[Any, _Check] = {
         int: _check_int,
         float: _check_float,
         str: _check_str,
         bool: _check_bool,
         bytes: _check_bytes,
-        Any: _check_any,
     }
     if hint in simple:
         return simple[hint]
@@ -261,7 +258,7 @@ class Codec:
     ):
         self.max_frame_bytes = max_frame_bytes
         self._by_tag: dict[int, type] = {cls.TAG: cls for cls in accepts}
-        for cls in m.WIRE_MESSAGES:
+        for cls in (*m.WIRE_MESSAGES, *self._by_tag.values()):
             _schema(cls)
         self._packer = msgpack.Packer(use_bin_type=True)
 

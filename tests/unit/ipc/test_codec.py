@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -112,6 +115,22 @@ def test_the_console_detail_is_checked_down_to_map_entries() -> None:
     assert snapshot_error(tenants=bad_row).field == "detail.tenants['chat'].totals.finished"
     assert snapshot_error(requests=[{"request_id": "x"}]).field.startswith("detail.requests[0].")
     assert snapshot_error(kv={"block_size": 1.0}).field == "detail.kv.block_size"
+
+
+@dataclass(frozen=True)
+class Loose:
+    anything: Any
+
+
+@dataclass(frozen=True)
+class HoldsLoose:
+    TAG: ClassVar[int] = 99
+    inner: Loose
+
+
+def test_a_field_the_codec_cannot_check_is_refused_when_the_codec_is_built() -> None:
+    with pytest.raises(TypeError, match="unsupported field type"):
+        Codec([HoldsLoose])
 
 
 def test_wrong_major_version_is_its_own_code() -> None:
