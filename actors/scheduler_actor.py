@@ -361,9 +361,9 @@ class SchedulerActor(Actor):
         return commands.status_report(self.core, worker=self._worker_status(),
                                       counters=self.counters, draining=self.draining, check=check)
 
-    def detail(self) -> dict:
-        return commands.console_detail(self.core, latency=self.latency.summary(self.core.clock()),
-                                       worker=self._worker_status(), draining=self.draining)
+    def detail(self) -> m.ConsoleDetail:
+        latency = commands.latency_summary(self.latency.summary(self.core.clock()))
+        return commands.console_detail(self.core, latency=latency)
 
     def histograms(self) -> tuple[Histogram, ...]:
         return tuple(Histogram(kind, tenant, buckets.bounds, tuple(buckets.counts), buckets.total)

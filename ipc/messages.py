@@ -1,10 +1,13 @@
 """The messages on the wire: the client protocol and the control protocol, as frozen
 dataclasses with stable type tags.
 
-Each carries a `TAG` that never changes once released; `ipc.codec` maps them to msgpack.
-This is all the client library and the console speak. The messages between the actors of
-one daemon never leave it and live beside them (`sluice.actors.messages`), as do the records
-actors report their state in (`sluice.actors.reports`). Enums on the wire are small ints.
+Each message carries a `TAG` that never changes once released; `ipc.codec` maps them to
+msgpack. The values nested in them (a report's parts, the console's `ConsoleDetail`) carry
+no tag: they travel inside the message that holds them, checked against the type of its
+field. This is all the client library and the console speak. The messages between the
+actors of one daemon never leave it and live beside them (`sluice.actors.messages`), as do
+the records actors report their state in (`sluice.actors.reports`). Enums on the wire are
+small ints.
 The sampling parameters (`SamplingParams`) and the codes `FinishReason` and `RejectCode` are
 defined in `vocabulary` and used here as they are: they are the same objects in the client
 library, the actors and the scheduler core, from the frame to the worker and back.
@@ -18,13 +21,16 @@ messages that never leave the daemon.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from sluice.ipc.vocabulary import FinishReason, RejectCode, SamplingParams
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1  # 1.1: `Generate.sampling` may ask for `logprobs`
+# 1.1: `Generate.sampling` may ask for `logprobs`
+# 1.2: `ControlSnapshot.detail` is a typed `ConsoleDetail` instead of free-form maps; a 1.1
+#      console cannot read it (and a 1.2 console refuses a 1.1 daemon's detail)
+PROTOCOL_MINOR = 2
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 
@@ -203,6 +209,120 @@ class GatewayStats:
     refused_connections: int = 0  # new connections refused over the connection cap
 
 
+# -- the console's detail, nested in a ControlSnapshot ----------------------------------------
+
+
+@dataclass(frozen=True)
+class KVDetail:
+    """The KV pool beyond its block counts (those are in `StatusReport.kv`)."""
+
+    usage: float = 0.0  # used blocks / total blocks
+    high_watermark: float = 1.0  # admission stops at this usage ...
+    low_watermark: float = 1.0  # ... and starts again below this one
+    admission_open: bool = True
+    block_size: int = 0  # tokens per block
+    prefix_cache_hit_ratio: float = 0.0  # hits per lookup since the scheduler started
+
+
+@dataclass(frozen=True)
+class PlanComposition:
+    """What the latest step's plan held; all zero before the first step."""
+
+    seqs: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    budget_used: float = 0.0  # weighted tokens (see the scheduler's token_budget), of ...
+    token_budget: float = 0.0  # ... what one step may spend
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """A tenant's limits as the scheduler applies them; None is no limit."""
+
+    max_running: int | None = None
+    max_queued: int | None = None  # its own cap, else the default cap of every tenant
+    max_context: int | None = None
+    max_new_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class TenantTotals:
+    """What a tenant has used since the scheduler started."""
+
+    service: float = 0.0  # the fair policy's weighted count of tokens computed
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    recomputed_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    kv_block_seconds: float = 0.0
+    finished: int = 0
+    rejected: int = 0
+
+
+@dataclass(frozen=True)
+class TenantRow:
+    """One tenant: its settings, its live requests and what it has used."""
+
+    weight: float = 1.0
+    limits: TenantLimits = TenantLimits()
+    configured: bool = False  # set up by the config or an operator, not only named by a client
+    queues: dict[str, int] = field(default_factory=dict)  # its live requests by state
+    waiting: int = 0
+    running: int = 0  # requests holding KV, not counting paused ones
+    virtual_time: float = 0.0  # the fair policy's clock of the tenant
+    totals: TenantTotals = TenantTotals()
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    request_id: str  # the daemon-wide id, what `CancelCommand` takes
+    tenant: str
+    state: str  # waiting | prefilling | decoding | paused | preempted
+    age: float  # seconds since it arrived
+    prompt_tokens: int
+    output_tokens: int
+    blocks: int  # KV blocks it holds
+    paused: bool  # its client is slow: no decoding until it reads
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    p50: float = 0.0
+    p95: float = 0.0
+    p99: float = 0.0
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    """Over the latest samples the scheduler keeps (seconds)."""
+
+    ttft: Percentiles = Percentiles()  # time to first token
+    itl: Percentiles = Percentiles()  # inter-token latency
+    tokens_per_second: float = 0.0  # output tokens over the last few seconds
+    output_tokens: int = 0  # since the scheduler started
+
+
+@dataclass(frozen=True)
+class ConsoleDetail:
+    """What the console shows beyond the `StatusReport` beside it, which already says the
+    worker's state, whether the daemon drains, the KV block counts and the counters."""
+
+    step: int = 0  # steps the scheduler has planned since it started
+    policy: str = ""  # fcfs | priority | srpt | fair
+    queues: dict[str, int] = field(default_factory=dict)  # live requests by state
+    kv: KVDetail = KVDetail()
+    last_step: PlanComposition = PlanComposition()
+    rejected: int = 0  # requests the scheduler refused at admission
+    ended: dict[str, int] = field(default_factory=dict)  # by finish reason, named lower case
+    # configured tenants and those with live requests, by name
+    tenants: dict[str, TenantRow] = field(default_factory=dict)
+    # idle tenants a client named, summed: one entry however many names clients invent
+    other_tenants: TenantTotals = TenantTotals()
+    requests: tuple[RequestRow, ...] = ()  # live requests, at most a few hundred
+    latency: LatencySummary = LatencySummary()
+
+
 @dataclass(frozen=True)
 class StatusQuery:
     TAG: ClassVar[int] = 32
@@ -235,9 +355,7 @@ class ControlSnapshot:
     TAG: ClassVar[int] = 35
     seq: int  # increases by one per snapshot the daemon publishes
     status: StatusReport
-    # queues per state and tenant, KV with watermarks, latest plan, latency percentiles,
-    # throughput, tenants and live requests: plain maps, see SchedulerActor.detail()
-    detail: Any = None
+    detail: ConsoleDetail | None = None  # None: no scheduler detail; the console shows zeros
 
 
 @dataclass(frozen=True)

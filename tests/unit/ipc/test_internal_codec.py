@@ -24,6 +24,14 @@ SAMPLING = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, seed=3, stop=(
                           stop_token_ids=(2,))
 CHUNK = m.Chunk("r1", "héllo", (5, 6), (-0.5, -1.25))
 FINISHED = m.Finished("r1", m.FinishReason.LENGTH, m.Usage(3, 2, 1, 0), m.Timings(0.1, 0.2, 0.3))
+SNAPSHOT = m.ControlSnapshot(
+    2, m.StatusReport("serving", m.WorkerStatus("ready"), m.KVStatus(8, 6, 2, 0),
+                      m.RequestCounts(0, 1, 0), m.Counters(1, 0, 0, 0, 0)),
+    m.ConsoleDetail(queues={"decoding": 1},
+                    tenants={"a": m.TenantRow(2.0, m.TenantLimits(max_running=1), True,
+                                              {"decoding": 1}, 0, 1, 0.5, m.TenantTotals(3.0))},
+                    requests=(m.RequestRow("ab/1", "a", "decoding", 0.25, 3, 1, 1, False),),
+                    latency=m.LatencySummary(m.Percentiles(0.1, 0.2, 0.3))))
 
 
 def roundtrip(msg):
@@ -52,6 +60,8 @@ def roundtrip(msg):
     am.Reply(3, reports.WorkerState("ready", reports.WorkerFacts(64, 16, 2048, 49152, "float32"))),
     am.Reply(3, reports.WorkerState("failed", None, "worker exited with 1")),
     reports.Histogram("itl", "a", (0.001, 0.01), (1, 0, 2), 0.125),
+    am.Reply(6, reports.MetricsSnapshot(
+        SNAPSHOT, (reports.Histogram("ttft", "", (1.0,), (0, 1), 2.0),))),
     am.WorkerLost("worker exited with -9"),
 ])  # fmt: skip
 def test_messages_come_back_equal(msg) -> None:
