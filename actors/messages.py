@@ -25,7 +25,7 @@ from sluice.ipc.messages import (
     Finished, GatewayStats, Generate, InjectFault, ReconcileCommand, RecoverCommand, Rejected,
     ResumeCommand, StatusQuery, StatusReport, Subscribe, TenantSet,
 )  # fmt: skip
-from sluice.ipc.vocabulary import FinishReason, RejectCode
+from sluice.ipc.vocabulary import FinishReason, RejectCode, SamplingParams
 
 @dataclass(frozen=True)
 class Admit:
