@@ -28,6 +28,7 @@ import structlog
 import trio
 import zmq
 
+from sluice.actors import messages as am
 from sluice.actors import reports
 from sluice.actors.executor import worker
 from sluice.actors.scheduler import plan
@@ -42,18 +43,18 @@ Handler = Callable[[Any], Awaitable[None]]
 
 # everything actors may send each other: the messages, the step plan/result types, the
 # worker's frames and the records actors report their own state in
-CODEC = InternalCodec([*dataclasses_of(vocabulary), *dataclasses_of(m), *dataclasses_of(plan),
-                       *dataclasses_of(worker), *dataclasses_of(reports)])
+CODEC = InternalCodec([*dataclasses_of(vocabulary), *dataclasses_of(m), *dataclasses_of(am),
+                       *dataclasses_of(plan), *dataclasses_of(worker), *dataclasses_of(reports)])
 # Handed over, not encoded, between the actors of one process: a step's plan and result in
 # the worker's encoding (the executor relays their bytes), its outputs (built for the
 # tokenizer and given away), the chunks rendered from them, the client frames encoded from
 # those, and the client's own messages (decoded once, at the gateway). All but StepOutputs
 # are frozen and built of immutable values.
 HANDED_OVER = frozenset({
-    worker.PlanFrame, worker.ResultFrame, m.StepOutputs, m.Deliver, m.Outbound,
+    worker.PlanFrame, worker.ResultFrame, am.StepOutputs, am.Deliver, am.Outbound,
     m.Generate, m.Credit, m.Cancel, m.Heartbeat,
 })
-_GIVEN_AWAY = frozenset({m.StepOutputs})  # mutable, but the sender keeps no reference
+_GIVEN_AWAY = frozenset({am.StepOutputs})  # mutable, but the sender keeps no reference
 # tests set this to check, at every hand-over, that a frozen message holds no mutable value
 _CHECK_HANDED_OVER = os.environ.get("SLUICE_CHECK_HANDED_OVER") == "1"
 _HANDED = b"\xc1"  # first byte of a handed-over message's frame: never a msgpack message's

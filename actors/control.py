@@ -24,6 +24,7 @@ import structlog
 import trio
 import zmq
 
+from sluice.actors import messages as am
 from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.local_socket import bind_private
 from sluice.actors.reports import Endpoint, EndpointQuery
@@ -42,6 +43,9 @@ class ControlHooks:
     """What the daemon lets the Control actor do beyond messages."""
 
     gateway: Outbox | None = None  # told Drain / EndDrain, asked for live connections
+    # where cancels and a drain's release go, on the route requests take to the scheduler
+    # (None: straight to the scheduler, for a daemon without one)
+    tokenizer: Outbox | None = None
     recover: Callable[[], Awaitable[str]] | None = None  # restart the worker; a line to report
     # debug-only faults by kind; None when the daemon does not allow fault injection
     faults: dict[str, Callable[[], Awaitable[str]]] | None = None
@@ -121,11 +125,11 @@ class Control(Actor):
         self.askers.close()
 
     def handlers(self) -> dict[type, Handler]:
-        return {m.Ask: self.on_ask}
+        return {am.Ask: self.on_ask}
 
-    async def on_ask(self, msg: m.Ask) -> None:
+    async def on_ask(self, msg: am.Ask) -> None:
         if isinstance(msg.query, EndpointQuery):
-            self.askers.put(msg.reply_to, m.Reply(msg.token, Endpoint(self.address)))
+            self.askers.put(msg.reply_to, am.Reply(msg.token, Endpoint(self.address)))
 
     async def background(self, nursery: trio.Nursery) -> None:
         self._send_lock = trio.Lock()
@@ -137,12 +141,12 @@ class Control(Actor):
     async def _ask(self, actor: Outbox, question: Callable[[str, int], object]) -> object:
         return await self.questions.ask(actor, question)
 
-    async def gateway_state(self) -> m.Connections | None:
+    async def gateway_state(self) -> am.Connections | None:
         """The live client connections and the edge's counters (None without a gateway)."""
         if self.hooks.gateway is None:
             return None
         return await self._ask(self.hooks.gateway,
-                               lambda address, token: m.Ask(m.ListConnections(), address, token))
+                               lambda address, token: am.Ask(am.ListConnections(), address, token))
 
     async def connection_ids(self) -> frozenset[bytes] | None:
         """The live client connections, from the gateway (None without one)."""
@@ -151,7 +155,7 @@ class Control(Actor):
 
     async def status(self, query: m.StatusQuery) -> m.StatusReport:
         snapshot = await self._ask(self.scheduler,
-                                   lambda address, token: m.Ask(query, address, token))
+                                   lambda address, token: am.Ask(query, address, token))
         report = snapshot.report
         edge = await self.gateway_state()
         if edge is not None:
@@ -183,7 +187,7 @@ class Control(Actor):
 
     async def snapshot(self) -> m.ControlSnapshot:
         snap = await self._ask(self.scheduler,
-                               lambda address, token: m.Ask(m.Subscribe(), address, token))
+                               lambda address, token: am.Ask(m.Subscribe(), address, token))
         self.seq += 1
         status = snap.status
         edge = await self.gateway_state()
@@ -210,9 +214,11 @@ class Control(Actor):
         connections = frozenset()  # only reconcile looks at them: ask the gateway only then
         if isinstance(command, m.ReconcileCommand):
             connections = await self.connection_ids() or frozenset()
+        if actor is None and isinstance(command, (m.CancelCommand, am.ReleaseAll)):
+            actor = self.hooks.tokenizer  # it holds the requests still being tokenized
         return await self._ask(
             actor or self.scheduler,
-            lambda address, token: m.Operate(command, address, token, connections))
+            lambda address, token: am.Operate(command, address, token, connections))
 
     async def command(self, identity: bytes, command: object) -> object:
         """Carry out one operator command and say what happened."""
@@ -222,7 +228,7 @@ class Control(Actor):
             return await self.snapshot()
         if isinstance(command, m.DrainCommand):
             if hooks.gateway is not None:
-                hooks.gateway.put(m.Drain())
+                hooks.gateway.put(am.Drain())
             answer = await self._operate(command)
             if command.deadline is not None:
                 self._nursery.start_soon(self._drain_deadline, command.deadline, self.drain_epoch)
@@ -231,8 +237,8 @@ class Control(Actor):
         if isinstance(command, m.ResumeCommand):
             self.drain_epoch += 1
             if hooks.gateway is not None:
-                hooks.gateway.put(m.EndDrain())
-            self.scheduler.put(m.EndDrain())
+                hooks.gateway.put(am.EndDrain())
+            self.scheduler.put(am.EndDrain())
             log.info("resume")
             return m.CommandReply("resume", True, "admitting again")
         if isinstance(command, m.RecoverCommand):
@@ -259,5 +265,5 @@ class Control(Actor):
     async def _drain_deadline(self, deadline: float, epoch: int) -> None:
         await trio.sleep(deadline)
         if epoch == self.drain_epoch:
-            await self._operate("release_all")
+            await self._operate(am.ReleaseAll())
 

@@ -38,6 +38,7 @@ import trio
 import zmq
 from zmq.utils import z85
 
+from sluice.actors import messages as am
 from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.limits import Limits, clip
 from sluice.actors.peers import PeerBook
@@ -141,12 +142,12 @@ class Gateway(Actor):
 
     def handlers(self) -> dict[type, Handler]:
         return {
-            m.Outbound: self.on_outbound,
-            m.StreamClosed: self.on_stream_closed,
-            m.Drain: self.on_drain,
-            m.EndDrain: self.on_end_drain,
-            m.Ask: self.on_ask,
-            m.Operate: self.on_operate,
+            am.Outbound: self.on_outbound,
+            am.StreamClosed: self.on_stream_closed,
+            am.Drain: self.on_drain,
+            am.EndDrain: self.on_end_drain,
+            am.Ask: self.on_ask,
+            am.Operate: self.on_operate,
         }
 
     def after_message(self) -> None:
@@ -174,7 +175,7 @@ class Gateway(Actor):
 
     # -- to the client ----------------------------------------------------------------------
 
-    async def on_outbound(self, msg: m.Outbound) -> None:
+    async def on_outbound(self, msg: am.Outbound) -> None:
         if self.peers.is_forgotten(msg.connection):
             return  # its stream is ending its requests; nothing more goes to it
         try:
@@ -199,34 +200,34 @@ class Gateway(Actor):
                         why="does not read")
         stream = self.streams.get(identity)
         if stream is not None:
-            stream.inbox.put(m.ClientGone(identity))
+            stream.inbox.put(am.ClientGone(identity))
 
     # -- from actors ------------------------------------------------------------------------
 
-    async def on_stream_closed(self, msg: m.StreamClosed) -> None:
+    async def on_stream_closed(self, msg: am.StreamClosed) -> None:
         stream = self.streams.pop(msg.connection, None)
         self.owners.pop(msg.connection, None)
         if stream is not None:
             # from now on the connection's frames open a fresh stream; the closed one refuses
             # what was routed to it before this answer, then ends
-            stream.inbox.put(m.StreamClosed(msg.connection))
+            stream.inbox.put(am.StreamClosed(msg.connection))
 
-    async def on_drain(self, msg: m.Drain) -> None:
+    async def on_drain(self, msg: am.Drain) -> None:
         self.draining = True
 
-    async def on_end_drain(self, msg: m.EndDrain) -> None:
+    async def on_end_drain(self, msg: am.EndDrain) -> None:
         self.draining = False
 
-    async def on_ask(self, msg: m.Ask) -> None:
-        if isinstance(msg.query, m.ListConnections):
-            live = m.Connections(frozenset(self.streams),
+    async def on_ask(self, msg: am.Ask) -> None:
+        if isinstance(msg.query, am.ListConnections):
+            live = am.Connections(frozenset(self.streams),
                                  tuple(stream.inbox.address for stream in self.streams.values()),
                                  self.peers.stats())
-            self.askers.put(msg.reply_to, m.Reply(msg.token, live))
+            self.askers.put(msg.reply_to, am.Reply(msg.token, live))
         elif isinstance(msg.query, EndpointQuery):
-            self.askers.put(msg.reply_to, m.Reply(msg.token, Endpoint(self.address)))
+            self.askers.put(msg.reply_to, am.Reply(msg.token, Endpoint(self.address)))
 
-    async def on_operate(self, msg: m.Operate) -> None:
+    async def on_operate(self, msg: am.Operate) -> None:
         """The one operator command done here: the debug fault `vanish_stream` (the Control
         actor sends it only when the daemon allows fault injection)."""
         command = msg.command
@@ -234,7 +235,7 @@ class Gateway(Actor):
             reply = self._vanish_newest()
         else:
             reply = m.CommandReply("unknown", False, f"the gateway cannot do {command!r}")
-        self.askers.put(msg.reply_to, m.Reply(msg.token, reply))
+        self.askers.put(msg.reply_to, am.Reply(msg.token, reply))
 
     def _vanish_newest(self) -> m.CommandReply:
         """Debug fault: drop the newest connection's stream without a word to anyone."""
@@ -316,7 +317,7 @@ class Gateway(Actor):
         its first holder is connected, so that client is gone: its stream ends, and nothing
         of it is handed to the newcomer, who may open its own once the old one closed."""
         log.warning("routing id reused by another key", connection=self._shown(identity))
-        stream.inbox.put(m.ClientGone(identity))
+        stream.inbox.put(am.ClientGone(identity))
         await self._reply(identity, m.Rejected(getattr(msg, "request_id", ""),
                                               m.RejectCode.UNAUTHORIZED,
                                               "this connection id belongs to another client",
@@ -350,7 +351,7 @@ class Gateway(Actor):
         # each stream fails its requests and reports StreamClosed, which the restarted
         # gateway handles like any other close
         for stream in self.streams.values():
-            stream.inbox.put(m.FailAll(f"gateway failed: {type(exc).__name__}"))
+            stream.inbox.put(am.FailAll(f"gateway failed: {type(exc).__name__}"))
 
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect

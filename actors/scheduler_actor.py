@@ -45,6 +45,7 @@ from collections.abc import Callable
 import structlog
 import trio
 
+from sluice.actors import messages as am
 from sluice.actors import scheduler_commands as commands
 from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_result, encode_plan
@@ -96,7 +97,7 @@ class SchedulerActor(Actor):
         self.epoch += 1
         self.core = self.make_core()
         self.in_flight: StepPlan | None = None
-        self.deferred: list[m.PauseDecoding | m.ResumeDecoding] = []
+        self.deferred: list[am.PauseDecoding | am.ResumeDecoding] = []
         self.between_steps: list[Callable[[], None]] = []  # checks that wait for no step
         self.worker_ready = self.initial_worker_ready
         self.worker_state = "ready" if self.worker_ready else "starting"
@@ -107,23 +108,23 @@ class SchedulerActor(Actor):
         self.waiting_for_room = False
         # the worker's state was known to the old incarnation only: ask again (the answer,
         # WorkerReady or WorkerFailed, lands in the inbox like any announcement)
-        self.executor.put(m.AskWorker())
+        self.executor.put(am.AskWorker())
 
     def handlers(self) -> dict[type, Handler]:
         return {
-            m.Admit: self.on_admit,
-            m.Release: self.on_release,
-            m.StopMatched: self.on_stop_matched,
-            m.PauseDecoding: self.on_pause_or_resume,
-            m.ResumeDecoding: self.on_pause_or_resume,
+            am.Admit: self.on_admit,
+            am.Release: self.on_release,
+            am.StopMatched: self.on_stop_matched,
+            am.PauseDecoding: self.on_pause_or_resume,
+            am.ResumeDecoding: self.on_pause_or_resume,
             ResultFrame: self.on_result_frame,
-            m.WorkerLost: self.on_worker_lost,
-            m.WorkerReady: self.on_worker_ready,
-            m.WorkerFailed: self.on_worker_failed,
-            m.Drain: self.on_drain,
-            m.Ask: self.on_ask,
-            m.Operate: self.on_operate,
-            m.EndDrain: self.on_end_drain,
+            am.WorkerLost: self.on_worker_lost,
+            am.WorkerReady: self.on_worker_ready,
+            am.WorkerFailed: self.on_worker_failed,
+            am.Drain: self.on_drain,
+            am.Ask: self.on_ask,
+            am.Operate: self.on_operate,
+            am.EndDrain: self.on_end_drain,
             Backlog: self.on_backlog,
         }
 
@@ -138,15 +139,15 @@ class SchedulerActor(Actor):
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def on_admit(self, msg: m.Admit) -> None:
+    async def on_admit(self, msg: am.Admit) -> None:
         if self.draining:
             self.counters["rejected"] += 1
-            self.tokenizer.put(m.AdmissionRefused(msg.request_id, m.RejectCode.DRAINING,
+            self.tokenizer.put(am.AdmissionRefused(msg.request_id, m.RejectCode.DRAINING,
                                          "the daemon is draining"))
             return
         if self.worker_state == "failed":
             self.counters["rejected"] += 1
-            self.tokenizer.put(m.AdmissionRefused(msg.request_id, m.RejectCode.OVERLOADED,
+            self.tokenizer.put(am.AdmissionRefused(msg.request_id, m.RejectCode.OVERLOADED,
                                          worker_failed_message(self.worker_failure)))
             return
         request = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
@@ -155,33 +156,34 @@ class SchedulerActor(Actor):
             self.core.add_request(request)
         except AdmissionError as exc:
             self.counters["rejected"] += 1
-            self.tokenizer.put(m.AdmissionRefused(msg.request_id, exc.code, exc.message, exc.field))
+            self.tokenizer.put(am.AdmissionRefused(msg.request_id, exc.code, exc.message,
+                                                   exc.field))
             return
         self.counters["accepted"] += 1
-        self.tokenizer.put(m.Admitted(msg.request_id, len(msg.prompt_ids)))
+        self.tokenizer.put(am.Admitted(msg.request_id, len(msg.prompt_ids)))
         self._maybe_step()
 
-    async def on_release(self, msg: m.Release) -> None:
+    async def on_release(self, msg: am.Release) -> None:
         self._emit([out for rid in msg.request_ids
                     if (out := self.core.abort(rid, msg.reason)) is not None])
         self._maybe_step()
 
-    async def on_stop_matched(self, msg: m.StopMatched) -> None:
+    async def on_stop_matched(self, msg: am.StopMatched) -> None:
         out = self.core.finish(msg.request_id)
         if out is not None:
             self.counters["finished"] += 1  # the tokenizer already sent the Finished
             _log_end(out)
         self._maybe_step()
 
-    async def on_pause_or_resume(self, msg: m.PauseDecoding | m.ResumeDecoding) -> None:
+    async def on_pause_or_resume(self, msg: am.PauseDecoding | am.ResumeDecoding) -> None:
         if self.in_flight is not None:
             self.deferred.append(msg)
             return
         self._apply_pause_or_resume(msg)
         self._maybe_step()
 
-    def _apply_pause_or_resume(self, msg: m.PauseDecoding | m.ResumeDecoding) -> None:
-        if isinstance(msg, m.PauseDecoding):
+    def _apply_pause_or_resume(self, msg: am.PauseDecoding | am.ResumeDecoding) -> None:
+        if isinstance(msg, am.PauseDecoding):
             self.core.pause(msg.request_id)
         else:
             self.core.resume(msg.request_id)
@@ -206,7 +208,7 @@ class SchedulerActor(Actor):
         self._emit(self.core.update(plan, result))
         self._after_step()
 
-    async def on_worker_lost(self, msg: m.WorkerLost) -> None:
+    async def on_worker_lost(self, msg: am.WorkerLost) -> None:
         self.worker_ready = False
         self.worker_state = "restarting"
         lost, self.in_flight = self.in_flight, None
@@ -228,7 +230,7 @@ class SchedulerActor(Actor):
         self._emit(outputs)
         return [out.request_id for out in outputs]
 
-    async def on_worker_ready(self, msg: m.WorkerReady) -> None:
+    async def on_worker_ready(self, msg: am.WorkerReady) -> None:
         self.worker_ready = True
         self.worker_state = "ready"
         self.worker_failure = ""
@@ -237,7 +239,7 @@ class SchedulerActor(Actor):
         self.worker_dtypes = (msg.dtype, msg.kv_dtype)
         self._maybe_step()
 
-    async def on_worker_failed(self, msg: m.WorkerFailed) -> None:
+    async def on_worker_failed(self, msg: am.WorkerFailed) -> None:
         """No worker can start: end what waits for one with an error that says so."""
         self.worker_ready = False
         self.in_flight = None
@@ -298,11 +300,11 @@ class SchedulerActor(Actor):
                 key = "cancelled" if out.finish_reason in _CANCELLED else "finished"
                 self.counters[key] += 1
                 _log_end(out)
-        self.tokenizer.put(m.StepOutputs(tuple(outputs)))
+        self.tokenizer.put(am.StepOutputs(tuple(outputs)))
 
     # -- operations ---------------------------------------------------------------------------
 
-    async def on_operate(self, msg: m.Operate) -> None:
+    async def on_operate(self, msg: am.Operate) -> None:
         command = msg.command
         if isinstance(command, m.CancelCommand):
             reply, outputs = commands.cancel(self.core, command.request_id)
@@ -323,23 +325,23 @@ class SchedulerActor(Actor):
             reply = commands.leak_block(self.core)
         elif isinstance(command, m.InjectFault) and command.kind == "crash_scheduler":
             # answer first: the control actor must not wait for a reply that never comes
-            self.askers.put(msg.reply_to, m.Reply(msg.token, m.CommandReply(
+            self.askers.put(msg.reply_to, am.Reply(msg.token, m.CommandReply(
                 "fault", True, "the scheduler crashes now")))
             raise RuntimeError("injected scheduler fault")
-        elif command == "release_all":
+        elif isinstance(command, am.ReleaseAll):
             reply, outputs = commands.release_all(self.core)
             self._emit(outputs)
         else:
             reply = m.CommandReply("unknown", False, f"the scheduler cannot do {command!r}")
-        self.askers.put(msg.reply_to, m.Reply(msg.token, reply))
+        self.askers.put(msg.reply_to, am.Reply(msg.token, reply))
 
-    def _answer_reconcile(self, msg: m.Operate) -> None:
+    def _answer_reconcile(self, msg: am.Operate) -> None:
         findings, outputs = commands.reconcile(self.core, msg.connections)
         self._emit(outputs)
         self._maybe_step()
-        self.askers.put(msg.reply_to, m.Reply(msg.token, commands.reconcile_reply(findings)))
+        self.askers.put(msg.reply_to, am.Reply(msg.token, commands.reconcile_reply(findings)))
 
-    async def on_ask(self, msg: m.Ask) -> None:
+    async def on_ask(self, msg: am.Ask) -> None:
         """Status for `sluice status` and the daemon, a snapshot for the console; the
         consistency check waits for the gap between two steps."""
         if isinstance(msg.query, m.Subscribe):
@@ -349,19 +351,19 @@ class SchedulerActor(Actor):
                                      self.histograms())
         elif getattr(msg.query, "check_invariants", False):
             self.between_steps_do(lambda: self.askers.put(
-                msg.reply_to, m.Reply(msg.token, m.Snapshot(self.report(check=True)))))
+                msg.reply_to, am.Reply(msg.token, am.Snapshot(self.report(check=True)))))
             return
         else:
-            answer = m.Snapshot(self.report())
-        self.askers.put(msg.reply_to, m.Reply(msg.token, answer))
+            answer = am.Snapshot(self.report())
+        self.askers.put(msg.reply_to, am.Reply(msg.token, answer))
 
     def report(self, *, check: bool = False) -> m.StatusReport:
         return commands.status_report(self.core, worker=self._worker_status(),
                                       counters=self.counters, draining=self.draining, check=check)
 
-    def detail(self) -> dict:
-        return commands.console_detail(self.core, latency=self.latency.summary(self.core.clock()),
-                                       worker=self._worker_status(), draining=self.draining)
+    def detail(self) -> m.ConsoleDetail:
+        latency = commands.latency_summary(self.latency.summary(self.core.clock()))
+        return commands.console_detail(self.core, latency=latency)
 
     def histograms(self) -> tuple[Histogram, ...]:
         return tuple(Histogram(kind, tenant, buckets.bounds, tuple(buckets.counts), buckets.total)
@@ -371,10 +373,10 @@ class SchedulerActor(Actor):
         return m.WorkerStatus(self.worker_state, self.worker_restarts, self.worker_pid,
                               self.worker_failure, *self.worker_dtypes)
 
-    async def on_drain(self, msg: m.Drain) -> None:
+    async def on_drain(self, msg: am.Drain) -> None:
         self.draining = True
 
-    async def on_end_drain(self, msg: m.EndDrain) -> None:
+    async def on_end_drain(self, msg: am.EndDrain) -> None:
         self.draining = False
 
     def close(self) -> None:

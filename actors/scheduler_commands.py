@@ -11,12 +11,13 @@ no discrepancy): the actor decides when; these functions only look and fix.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
 import structlog
 
-from sluice.actors.scheduler import ConfigError, Scheduler, TenantConfig
+from sluice.actors.scheduler import ConfigError, RequestState, Scheduler, TenantConfig
 from sluice.actors.scheduler.invariants import block_owners
 from sluice.actors.scheduler.plan import RequestOutput
 from sluice.ipc import messages as m
@@ -132,20 +133,42 @@ def status_report(core: Scheduler, *, worker: m.WorkerStatus, counters: Mapping[
     )
 
 
-def console_detail(core: Scheduler, *, latency: dict[str, Any], worker: m.WorkerStatus,
-                   draining: bool, max_requests: int = 200) -> dict[str, Any]:
-    """What the console shows beyond the status report: plain values only."""
+def console_detail(core: Scheduler, *, latency: m.LatencySummary,
+                   max_requests: int = 200) -> m.ConsoleDetail:
+    """What the console shows beyond the status report, as the core's `stats()` says it."""
     now = core.clock()
     stats = core.stats()
-    stats["requests"] = [
-        {"id": r.request_id, "tenant": r.tenant, "state": r.state.value,
-         "age": now - (r.arrival_time or now), "prompt_tokens": r.num_prompt_tokens,
-         "output_tokens": r.num_output_tokens, "blocks": len(r.block_ids),
-         "paused": r.state.value == "paused"}
-        for r in list(core.requests.values())[:max_requests]
-    ]
-    stats["latency"] = latency
-    stats["worker"] = {"state": worker.state, "restarts": worker.restarts, "pid": worker.pid,
-                       "failure": worker.failure}
-    stats["draining"] = draining
-    return stats
+    kv = stats["kv"]
+    return m.ConsoleDetail(
+        step=stats["step"],
+        policy=stats["policy"],
+        queues=stats["queues"],
+        kv=m.KVDetail(kv["usage"], kv["high_watermark"], kv["low_watermark"],
+                      kv["admission_open"], kv["block_size"], kv["prefix_cache_hit_ratio"]),
+        last_step=m.PlanComposition(**stats["last_step"]),  # empty before the first step
+        rejected=stats["rejected"],
+        ended=stats["ended"],
+        tenants={name: _tenant_row(values) for name, values in stats["tenants"].items()},
+        other_tenants=m.TenantTotals(**stats["other_tenants"]),
+        requests=tuple(
+            m.RequestRow(r.request_id, r.tenant, r.state.value, now - (r.arrival_time or now),
+                         r.num_prompt_tokens, r.num_output_tokens, len(r.block_ids),
+                         r.state is RequestState.PAUSED)
+            for r in itertools.islice(core.requests.values(), max_requests)),
+        latency=latency,
+    )
+
+
+def _tenant_row(values: Mapping[str, Any]) -> m.TenantRow:
+    """One tenant as `TenantLedger.stats()` says it."""
+    totals = {f.name: values[f.name] for f in dataclasses.fields(m.TenantTotals)}
+    return m.TenantRow(weight=values["weight"], limits=m.TenantLimits(**values["limits"]),
+                       configured=values["configured"], queues=values["queues"],
+                       waiting=values["waiting"], running=values["running"],
+                       virtual_time=values["virtual_time"], totals=m.TenantTotals(**totals))
+
+
+def latency_summary(summary: Mapping[str, Any]) -> m.LatencySummary:
+    """`LatencyLog.summary()` as the console's record."""
+    return m.LatencySummary(m.Percentiles(**summary["ttft"]), m.Percentiles(**summary["itl"]),
+                            summary["tokens_per_second"], summary["output_tokens"])

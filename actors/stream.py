@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import structlog
 import trio
 
+from sluice.actors import messages as am
 from sluice.actors.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.intake import check_generate
 from sluice.actors.limits import Limits, clip
@@ -95,16 +96,16 @@ class Stream(Actor):
             m.Credit: self.on_credit,
             m.Cancel: self.on_cancel,
             m.Heartbeat: self.on_heartbeat,
-            m.Deliver: self.on_deliver,
-            m.ClientGone: self.on_client_gone,
-            m.FailAll: self.on_fail_all,
-            m.Ask: self.on_ask,
-            m.StreamClosed: self.on_gateway_forgot,
+            am.Deliver: self.on_deliver,
+            am.ClientGone: self.on_client_gone,
+            am.FailAll: self.on_fail_all,
+            am.Ask: self.on_ask,
+            am.StreamClosed: self.on_gateway_forgot,
         }
 
-    async def on_ask(self, msg: m.Ask) -> None:
+    async def on_ask(self, msg: am.Ask) -> None:
         """Drain asks (`Holding`) until no request waits here for its Finished to be sent."""
-        self.askers.put(msg.reply_to, m.Reply(msg.token, m.Held(len(self.requests))))
+        self.askers.put(msg.reply_to, am.Reply(msg.token, am.Held(len(self.requests))))
 
     def teardown(self) -> None:
         self.askers.close()
@@ -141,7 +142,7 @@ class Stream(Actor):
         daemon_id = f"{self.connection.hex()}/{msg.request_id}"
         credits = min(msg.credits, self.limits.max_credits)
         self.requests[msg.request_id] = _Request(msg.request_id, daemon_id, credits)
-        self.tokenizer.put(m.Encode(msg, daemon_id, self.connection, self.inbox.address,
+        self.tokenizer.put(am.Encode(msg, daemon_id, self.connection, self.inbox.address,
                                    trio.current_time()))
 
     async def on_credit(self, msg: m.Credit) -> None:
@@ -157,14 +158,14 @@ class Stream(Actor):
         request = self.requests.get(msg.request_id)
         if request is not None and not request.ending:
             request.ending = True
-            self.tokenizer.put(m.Release((request.daemon_id,), m.FinishReason.CANCELLED))
+            self.tokenizer.put(am.Release((request.daemon_id,), m.FinishReason.CANCELLED))
 
     async def on_heartbeat(self, msg: m.Heartbeat) -> None:
         self.last_heard = trio.current_time()
 
     # -- from the tokenizer -----------------------------------------------------------------
 
-    async def on_deliver(self, msg: m.Deliver) -> None:
+    async def on_deliver(self, msg: am.Deliver) -> None:
         for item in msg.messages:
             request = self.requests.get(item.request_id)
             if request is None:
@@ -185,14 +186,14 @@ class Stream(Actor):
 
     # -- connection lifetime ------------------------------------------------------------------
 
-    async def on_client_gone(self, msg: m.ClientGone) -> None:
+    async def on_client_gone(self, msg: am.ClientGone) -> None:
         self._close("unreachable")
 
-    async def on_fail_all(self, msg: m.FailAll) -> None:
+    async def on_fail_all(self, msg: am.FailAll) -> None:
         self._fail_requests(msg.message)
         self._close("failed", release=False)
 
-    async def on_gateway_forgot(self, msg: m.StreamClosed) -> None:
+    async def on_gateway_forgot(self, msg: am.StreamClosed) -> None:
         self.close()  # nothing is routed here any more: the run loop ends
 
     async def on_crash(self, exc: BaseException) -> None:
@@ -210,7 +211,7 @@ class Stream(Actor):
             self._send(m.Finished(request.client_id, m.FinishReason.ERROR))
         self.requests.clear()
         if rids:
-            self.tokenizer.put(m.Release(rids, m.FinishReason.ERROR))
+            self.tokenizer.put(am.Release(rids, m.FinishReason.ERROR))
 
     def _close(self, why: str, *, release: bool = True) -> None:
         if self.closed:
@@ -219,10 +220,10 @@ class Stream(Actor):
         rids = tuple(r.daemon_id for r in self.requests.values())
         self.requests.clear()
         if release and rids:
-            self.tokenizer.put(m.Release(rids, m.FinishReason.CANCELLED))
+            self.tokenizer.put(am.Release(rids, m.FinishReason.CANCELLED))
         log.info("client gone", connection=clip(self.connection.hex(), self.limits), why=why,
                  released=len(rids))
-        self.gateway.put(m.StreamClosed(self.connection))
+        self.gateway.put(am.StreamClosed(self.connection))
 
     async def _timers(self) -> None:
         cfg = self.config
@@ -244,7 +245,7 @@ class Stream(Actor):
                     continue
                 request.ending = True
                 if request.finished is None:
-                    self.tokenizer.put(m.Release((request.daemon_id,), m.FinishReason.TIMEOUT))
+                    self.tokenizer.put(am.Release((request.daemon_id,), m.FinishReason.TIMEOUT))
                 else:  # already done in the scheduler; only the client never read it
                     request.buffer.clear()
                     request.finished = m.Finished(request.client_id, m.FinishReason.TIMEOUT,
@@ -269,11 +270,11 @@ class Stream(Actor):
         depth = len(request.buffer)
         if request.paused_since is None and depth > self.config.high_watermark:
             request.paused_since = trio.current_time()
-            self.tokenizer.put(m.PauseDecoding(request.daemon_id))
+            self.tokenizer.put(am.PauseDecoding(request.daemon_id))
         elif request.paused_since is not None and depth <= self.config.low_watermark:
             request.paused_since = None
             if not request.ending:
-                self.tokenizer.put(m.ResumeDecoding(request.daemon_id))
+                self.tokenizer.put(am.ResumeDecoding(request.daemon_id))
 
     def _send(self, msg: object) -> None:
         self.outgoing.append(self.codec.envelope(msg))
@@ -283,7 +284,7 @@ class Stream(Actor):
         # rest of the daemon's work for that token
         if self.outgoing:
             envelopes, self.outgoing = self.outgoing, []
-            self.gateway.put(m.Outbound(self.connection, (self.codec.pack_envelopes(envelopes),)))
+            self.gateway.put(am.Outbound(self.connection, (self.codec.pack_envelopes(envelopes),)))
 
 
 def _merge(chunks: deque[m.Chunk]) -> m.Chunk:

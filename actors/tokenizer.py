@@ -11,9 +11,11 @@ detokenizer per request, so a chunk never splits a UTF-8 character and a stop st
 back until it can no longer match and is never sent; a matched stop string ends the request.
 
 It is also the one route from a request's Stream to the Scheduler: `Release`,
-`PauseDecoding` and `ResumeDecoding` come here in order behind the request's `Encode`. A
-request still held here (a long prompt on a thread or waiting for one) ends here: its tokenizing is called off, its bytes
-are given back and its Stream gets the `Finished`; one already admitted has the message
+`PauseDecoding` and `ResumeDecoding` come here in order behind the request's `Encode`, and
+so do an operator's cancel and a drain's release past its deadline (`Operate`). A request
+still held here (a long prompt on a thread or waiting for one) ends here: its tokenizing is
+called off, its bytes are given back and its Stream gets the `Finished`; one admitted has the
+message
 forwarded to the Scheduler behind its `Admit`, so nothing about a request overtakes it; one
 that already ended has its end on the way to the Stream, and the message is dropped.
 
@@ -29,6 +31,7 @@ After each message it tells the Scheduler how many messages its inbox still hold
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,13 +39,14 @@ from dataclasses import dataclass
 import structlog
 import trio
 
+from sluice.actors import messages as am
 from sluice.actors.base import Actor, Handler, Inbox, Outboxes
 from sluice.actors.intake import check_prompt_form
 from sluice.actors.limits import Limits, clip
 from sluice.actors.reports import BacklogGauge
 from sluice.actors.text import RequestText
 from sluice.ipc import messages as m
-from sluice.ipc.vocabulary import InvalidParams
+from sluice.ipc.vocabulary import InvalidParams, SamplingParams
 
 log = structlog.get_logger("sluice.tokenizer")
 
@@ -69,7 +73,7 @@ def prompt_bytes(request: m.Generate) -> int:
 class _Held:
     """A long prompt handed to the worker threads and not yet admitted."""
 
-    encode: m.Encode
+    encode: am.Encode
     size: int  # its bytes, counted against `max_pending_prompt_bytes`
     scope: trio.CancelScope  # called off when the request is released meanwhile
 
@@ -80,8 +84,23 @@ class _Detok:
     reply_to: str  # the address of its Stream actor's inbox
     text: RequestText
     arrival: float
+    prompt_field: str  # what the client sent its prompt as: prompt | messages | prompt_ids
     admitted_at: float = 0.0
     first_token_at: float = 0.0
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def wire_field(core_field: str, prompt_field: str) -> str:
+    """The field a client sent, for one the scheduler core names in its own terms (the core
+    serves the in-process engine too, which takes `prompt_token_ids` and a flat
+    `SamplingParams`)."""
+    if core_field == "prompt_token_ids":
+        return prompt_field
+    if core_field in _SAMPLING_FIELDS:
+        return f"sampling.{core_field}"
+    return core_field
 
 
 class Tokenizer(Actor):
@@ -94,7 +113,7 @@ class Tokenizer(Actor):
         self.limits = limits
         self.requests: dict[str, _Detok] = {}  # survives restarts (see the module docstring)
         self._carry: list = []  # outputs a crashed incarnation left unhandled
-        self._carry_encodes: list[m.Encode] = []  # long prompts it was still holding
+        self._carry_encodes: list[am.Encode] = []  # long prompts it was still holding
         self.thread_slots = trio.CapacityLimiter(TOKENIZER_THREADS)
         self.streams = Outboxes()  # to the Stream actors of live requests
         self.stream_users: Counter[str] = Counter()  # live requests per stream address
@@ -102,8 +121,8 @@ class Tokenizer(Actor):
         self.backlog = BacklogGauge(self.name)  # this inbox's depth, told to the Scheduler
 
     def reset(self) -> None:
-        self.in_hand: m.Encode | None = None  # the request being tokenized, for on_crash
-        self.failed_long: m.Encode | None = None  # the long prompt whose tokenizing raised
+        self.in_hand: am.Encode | None = None  # the request being tokenized, for on_crash
+        self.failed_long: am.Encode | None = None  # the long prompt whose tokenizing raised
         self.culprit: str | None = None  # the request whose output is being rendered
         self.deliveries: dict[str, list] = {}  # stream address -> messages
         self.unhandled: list = []
@@ -130,21 +149,22 @@ class Tokenizer(Actor):
 
     def handlers(self) -> dict[type, Handler]:
         return {
-            m.Encode: self.on_encode,
-            m.Admitted: self.on_admitted,
-            m.AdmissionRefused: self.on_admission_refused,
-            m.StepOutputs: self.on_step_outputs,
-            m.Release: self.on_release,
-            m.PauseDecoding: self.on_pause_or_resume,
-            m.ResumeDecoding: self.on_pause_or_resume,
-            m.Ask: self.on_ask,
+            am.Encode: self.on_encode,
+            am.Admitted: self.on_admitted,
+            am.AdmissionRefused: self.on_admission_refused,
+            am.StepOutputs: self.on_step_outputs,
+            am.Release: self.on_release,
+            am.PauseDecoding: self.on_pause_or_resume,
+            am.ResumeDecoding: self.on_pause_or_resume,
+            am.Ask: self.on_ask,
+            am.Operate: self.on_operate,
         }
 
-    async def on_ask(self, msg: m.Ask) -> None:
+    async def on_ask(self, msg: am.Ask) -> None:
         """Drain asks until nothing is held: every Encode before the question is handled."""
-        self.askers.put(msg.reply_to, m.Reply(msg.token, m.Held(len(self.requests))))
+        self.askers.put(msg.reply_to, am.Reply(msg.token, am.Held(len(self.requests))))
 
-    async def on_encode(self, msg: m.Encode) -> None:
+    async def on_encode(self, msg: am.Encode) -> None:
         self.in_hand = msg
         request = msg.generate
         try:
@@ -158,7 +178,7 @@ class Tokenizer(Actor):
             self._reject_invalid(msg, exc)
         self.in_hand = None
 
-    def _start_long(self, msg: m.Encode, size: int) -> None:
+    def _start_long(self, msg: am.Encode, size: int) -> None:
         """Tokenize on a worker thread while this actor goes on rendering everyone's output."""
         limit = self.limits.max_pending_prompt_bytes
         if self.pending_prompt_bytes + size > limit:
@@ -215,7 +235,7 @@ class Tokenizer(Actor):
             return lambda: self.tokenizer.encode_chat(chat)
         return lambda: self.tokenizer.encode(request.prompt)
 
-    def _admit(self, msg: m.Encode, prompt_ids: list[int]) -> None:
+    def _admit(self, msg: am.Encode, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise InvalidParams("prompt", "tokenizes to nothing")
         request = msg.generate
@@ -223,51 +243,75 @@ class Tokenizer(Actor):
         self.requests[msg.request_id] = _Detok(
             request.request_id, msg.reply_to,
             RequestText(self.tokenizer, sampling.stop, len(prompt_ids)), msg.arrival,
+            "prompt_ids" if request.prompt_ids is not None
+            else "messages" if request.messages is not None else "prompt",
         )
         self.stream_users[msg.reply_to] += 1
-        self.scheduler.put(m.Admit(msg.request_id, msg.connection, tuple(prompt_ids), sampling,
+        self.scheduler.put(am.Admit(msg.request_id, msg.connection, tuple(prompt_ids), sampling,
                                    request.priority, request.tenant, msg.arrival))
 
-    def _reject_invalid(self, msg: m.Encode, exc: InvalidParams) -> None:
+    def _reject_invalid(self, msg: am.Encode, exc: InvalidParams) -> None:
         self._deliver_one(msg.reply_to, m.Rejected(
             msg.generate.request_id, m.RejectCode.INVALID, str(exc), exc.field))
 
-    async def on_admitted(self, msg: m.Admitted) -> None:
+    async def on_admitted(self, msg: am.Admitted) -> None:
         state = self.requests.get(msg.request_id)
         if state is not None:
             state.admitted_at = trio.current_time()
             self._deliver_one(state.reply_to, m.Accepted(state.client_id, msg.prompt_tokens))
 
-    async def on_admission_refused(self, msg: m.AdmissionRefused) -> None:
+    async def on_admission_refused(self, msg: am.AdmissionRefused) -> None:
         state = self._end(msg.request_id)
         if state is not None:
-            self._deliver_one(state.reply_to, m.Rejected(state.client_id, msg.code, msg.message,
-                                                         msg.field))
+            self._deliver_one(state.reply_to, m.Rejected(
+                state.client_id, msg.code, msg.message, wire_field(msg.field, state.prompt_field)))
 
-    async def on_release(self, msg: m.Release) -> None:
+    async def on_release(self, msg: am.Release) -> None:
         """End what is held here; forward the rest behind its Admit (see the docstring)."""
-        forward = []
-        for rid in msg.request_ids:
-            held = self.tokenizing.pop(rid, None)
-            if held is not None:
-                self.pending_prompt_bytes -= held.size
-                held.scope.cancel()
-                encode = held.encode
-                timings = m.Timings(total=max(0.0, trio.current_time() - encode.arrival))
-                self._outbox(encode.reply_to).append(
-                    m.Finished(encode.generate.request_id, msg.reason, m.Usage(), timings))
-            elif rid in self.requests:
-                forward.append(rid)
+        forward = [rid for rid in msg.request_ids
+                   if not self._call_off(rid, msg.reason) and rid in self.requests]
         if forward:
-            self.scheduler.put(m.Release(tuple(forward), msg.reason))
+            self.scheduler.put(am.Release(tuple(forward), msg.reason))
         self._deliver()
 
-    async def on_pause_or_resume(self, msg: m.PauseDecoding | m.ResumeDecoding) -> None:
+    async def on_operate(self, msg: am.Operate) -> None:
+        """An operator's cancel, or a drain's release of everyone past its deadline, passes
+        here on its way to the scheduler, so that it reaches a request wherever it is: one
+        still tokenizing ends here, the rest are the scheduler's, behind their `Admit`."""
+        command = msg.command
+        cancelled = m.FinishReason.CANCELLED
+        if isinstance(command, m.CancelCommand) and self._call_off(command.request_id,
+                                                                   cancelled):
+            self._deliver()
+            if msg.reply_to:
+                self.askers.put(msg.reply_to, am.Reply(msg.token, m.CommandReply(
+                    "cancel", True, f"cancelled {command.request_id} while it was tokenized")))
+            return
+        if isinstance(command, am.ReleaseAll):
+            for rid in list(self.tokenizing):
+                self._call_off(rid, cancelled)
+            self._deliver()
+        self.scheduler.put(msg)
+
+    def _call_off(self, rid: str, reason: m.FinishReason) -> bool:
+        """End a request still tokenizing here with `reason`; whether there was one."""
+        held = self.tokenizing.pop(rid, None)
+        if held is None:
+            return False
+        self.pending_prompt_bytes -= held.size
+        held.scope.cancel()
+        encode = held.encode
+        timings = m.Timings(total=max(0.0, trio.current_time() - encode.arrival))
+        self._outbox(encode.reply_to).append(
+            m.Finished(encode.generate.request_id, reason, m.Usage(), timings))
+        return True
+
+    async def on_pause_or_resume(self, msg: am.PauseDecoding | am.ResumeDecoding) -> None:
         # only an admitted request has chunks to pause for
         if msg.request_id in self.requests:
             self.scheduler.put(msg)
 
-    async def on_step_outputs(self, msg: m.StepOutputs) -> None:
+    async def on_step_outputs(self, msg: am.StepOutputs) -> None:
         self._render_all(list(msg.outputs), trio.current_time())
 
     def _render_all(self, outputs: list, now: float) -> None:
@@ -298,7 +342,7 @@ class Tokenizer(Actor):
     def _deliver(self) -> None:
         deliveries, self.deliveries = self.deliveries, {}
         for address, items in deliveries.items():
-            self.streams.put(address, m.Deliver(tuple(items)))
+            self.streams.put(address, am.Deliver(tuple(items)))
             if self.stream_users[address] <= 0:  # its last request ended: hang up
                 del self.stream_users[address]
                 self.streams.forget(address)
@@ -313,7 +357,7 @@ class Tokenizer(Actor):
                 logprobs = tuple(float(t.logprob or 0.0) for t in out.logprobs)
             sent.append(m.Chunk(state.client_id, text, tuple(out.new_token_ids), logprobs))
             if state.text.stopped:
-                self.scheduler.put(m.StopMatched(out.request_id))
+                self.scheduler.put(am.StopMatched(out.request_id))
                 sent.append(self._finished(out, state, m.FinishReason.STOP, now))
                 self._end(out.request_id)
                 return
@@ -345,7 +389,7 @@ class Tokenizer(Actor):
             self._outbox(failed.reply_to).extend((
                 m.Error(failed.client_id, why), m.Finished(failed.client_id, m.FinishReason.ERROR)
             ))
-            self.scheduler.put(m.Release((culprit,), m.FinishReason.ERROR))
+            self.scheduler.put(am.Release((culprit,), m.FinishReason.ERROR))
         elif hand is not None:  # crashed before the request reached the scheduler
             self._outbox(hand.reply_to).extend((
                 m.Error(hand.generate.request_id, why),

@@ -24,6 +24,17 @@ def drop_text(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]
     return event
 
 
+class _StderrLogger:
+    """Writes each line to `sys.stderr` as it is when the line is written, not as it was when
+    logging was configured: whoever runs the CLI in-process (tests, embedding code) may swap
+    stderr and close the old one."""
+
+    def msg(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    log = debug = info = warning = warn = error = critical = exception = fatal = msg
+
+
 def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
     """Console logs on a TTY, JSON otherwise; `level` is a logging level name."""
     if json is None:
@@ -39,6 +50,6 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(
             getattr(logging, level.upper(), logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=lambda *_: _StderrLogger(),
         cache_logger_on_first_use=False,
     )

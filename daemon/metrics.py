@@ -17,6 +17,7 @@ flood of invented names cannot grow the label sets.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -27,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from sluice.actors.reports import Histogram, MetricsSnapshot
+from sluice.ipc import messages as m
 
 log = structlog.get_logger("sluice.metrics")
 
@@ -76,21 +78,21 @@ class Metrics:
         return True, "serving"
 
 
-def bounded_tenants(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per-tenant values, one entry per configured tenant and the rest summed as `(other)`."""
-    shown: dict[str, dict[str, Any]] = {}
-    other = {**stats["other_tenants"], "running": 0}
-    folded = any(other.values())
-    for name, values in stats["tenants"].items():
-        if values["configured"]:
-            shown[name] = values
-            continue
-        folded = True
-        for key in other:
-            other[key] += values[key]
-    if folded:
-        shown[OTHER_TENANTS] = other
+def bounded_tenants(detail: m.ConsoleDetail) -> dict[str, m.TenantRow]:
+    """One row per configured tenant, and the rest summed as `(other)`: a row of which only
+    the totals and the running requests mean anything."""
+    shown = {name: row for name, row in detail.tenants.items() if row.configured}
+    folded = [row for row in detail.tenants.values() if not row.configured]
+    other = _sum_totals([detail.other_tenants, *(row.totals for row in folded)])
+    if folded or other != m.TenantTotals():
+        shown[OTHER_TENANTS] = m.TenantRow(running=sum(row.running for row in folded),
+                                           totals=other)
     return shown
+
+
+def _sum_totals(totals: list[m.TenantTotals]) -> m.TenantTotals:
+    return m.TenantTotals(**{f.name: sum(getattr(t, f.name) for t in totals)
+                             for f in dataclasses.fields(m.TenantTotals)})
 
 
 def histogram_families(histograms: tuple[Histogram, ...]) -> Iterator[HistogramMetricFamily]:
@@ -122,7 +124,8 @@ class _SchedulerCollector:
         if latest is None:
             return
         yield from histogram_families(latest.histograms)
-        report, stats = latest.snapshot.status, latest.snapshot.detail
+        # the scheduler always sends a detail; only a snapshot made without one has none
+        report, detail = latest.snapshot.status, latest.snapshot.detail or m.ConsoleDetail()
         kv = GaugeMetricFamily("sluice_kv_blocks", "KV cache blocks by state", labels=["state"])
         for state, value in (("free", report.kv.free_blocks), ("cached", report.kv.cached_blocks),
                              ("used", report.kv.used_blocks), ("total", report.kv.total_blocks)):
@@ -130,10 +133,10 @@ class _SchedulerCollector:
         yield kv
         yield GaugeMetricFamily("sluice_prefix_cache_hit_ratio",
                                 "Prefix cache hits per lookup since start",
-                                value=stats["kv"]["prefix_cache_hit_ratio"])
+                                value=detail.kv.prefix_cache_hit_ratio)
         queues = GaugeMetricFamily("sluice_live_requests", "Live requests by state",
                                    labels=["state"])
-        for state, value in stats["queues"].items():
+        for state, value in detail.queues.items():
             queues.add_metric([state], value)
         yield queues
         yield CounterMetricFamily("sluice_preemptions", "Requests preempted (KV released)",
@@ -143,7 +146,7 @@ class _SchedulerCollector:
         for outcome in ("accepted", "finished", "cancelled", "rejected"):
             outcomes.add_metric([outcome], getattr(report.counters, outcome))
         yield outcomes
-        tenants = bounded_tenants(stats)
+        tenants = bounded_tenants(detail)
         per_tenant = {
             "sluice_tenant_requests": ("Ended or rejected requests per tenant", "outcome",
                                        {"finished": "finished", "rejected": "rejected"}),
@@ -154,17 +157,17 @@ class _SchedulerCollector:
         }
         for name, (help_text, label, fields) in per_tenant.items():
             family = CounterMetricFamily(name, help_text, labels=["tenant", label])
-            for tenant, values in tenants.items():
+            for tenant, row in tenants.items():
                 for value_label, key in fields.items():
-                    family.add_metric([tenant, value_label], values[key])
+                    family.add_metric([tenant, value_label], getattr(row.totals, key))
             yield family
         preempted = CounterMetricFamily("sluice_tenant_preemptions", "Preemptions per tenant",
                                         labels=["tenant"])
         running = GaugeMetricFamily("sluice_tenant_running", "Running requests per tenant",
                                     labels=["tenant"])
-        for tenant, values in tenants.items():
-            preempted.add_metric([tenant], values["preemptions"])
-            running.add_metric([tenant], values["running"])
+        for tenant, row in tenants.items():
+            preempted.add_metric([tenant], row.totals.preemptions)
+            running.add_metric([tenant], row.running)
         yield preempted
         yield running
         yield GaugeMetricFamily("sluice_worker_up", "1 when the worker passed its health check",

@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 import trio
 
+from sluice.actors import messages as am
 from sluice.actors.base import Actor, Inbox, Outbox
 from sluice.actors.control import Control, ControlHooks, Questions
 from sluice.actors.executor.actor import Executor
@@ -101,7 +102,7 @@ class Daemon:
             self.executor = self._make_executor(tokenizer, scheduler_inbox)
             executor_inbox = self._inboxes["executor"] = self.executor.inbox
             await self.supervisor.start_child(self.executor)
-            worker = await self.questions.ask(executor_inbox, lambda address, token: m.Ask(
+            worker = await self.questions.ask(executor_inbox, lambda address, token: am.Ask(
                 WorkerQuery(), address, token))
             facts = worker.facts
             if facts is None:  # it serves once started, unless its first worker failed
@@ -166,7 +167,7 @@ class Daemon:
             nursery.cancel_scope.cancel()
 
     async def _bound_address(self, actor: Inbox) -> str:
-        endpoint = await self.questions.ask(actor, lambda address, token: m.Ask(
+        endpoint = await self.questions.ask(actor, lambda address, token: am.Ask(
             EndpointQuery(), address, token))
         return endpoint.address
 
@@ -180,7 +181,7 @@ class Daemon:
     async def status(self, *, check_invariants: bool = False,
                      timeout: float = 10.0) -> m.StatusReport:
         """The scheduler's status report, asked by message."""
-        snapshot = await self.questions.ask(self._scheduler_inbox, lambda address, token: m.Ask(
+        snapshot = await self.questions.ask(self._scheduler_inbox, lambda address, token: am.Ask(
             m.StatusQuery(check_invariants), address, token), timeout)
         return snapshot.report
 
@@ -188,7 +189,7 @@ class Daemon:
         """What the console sees (status and detail) and the latency histograms, asked by
         message; for the metrics."""
         return await self.questions.ask(
-            self._scheduler_inbox, lambda address, token: m.Ask(MetricsQuery(), address, token),
+            self._scheduler_inbox, lambda address, token: am.Ask(MetricsQuery(), address, token),
             5.0)  # inside the 10 s a metrics scrape may take
 
     async def summary(self) -> str:
@@ -213,9 +214,9 @@ class Daemon:
         """
         tenants = SchedulerConfig.from_dict({**config.scheduler, "kv_blocks": 1}).tenants
         for name in self._file_tenants - set(tenants):
-            self._scheduler_inbox.put(m.Operate(m.TenantSet(name, reset=True)))
+            self._scheduler_inbox.put(am.Operate(m.TenantSet(name, reset=True)))
         for name, tenant in tenants.items():  # no reply address: nobody waits for the answer
-            self._scheduler_inbox.put(m.Operate(m.TenantSet(name, **dataclasses.asdict(tenant),
+            self._scheduler_inbox.put(am.Operate(m.TenantSet(name, **dataclasses.asdict(tenant),
                                                            reset=True)))
         self._file_tenants = set(tenants)
         return sorted(tenants)
@@ -224,13 +225,14 @@ class Daemon:
         faults = None
         if self.config.debug_faults:
             faults = {"worker_down": self._stop_worker}  # vanish_stream: the gateway's own
-        return ControlHooks(gateway=gateway_inbox, recover=self.recover, faults=faults)
+        return ControlHooks(gateway=gateway_inbox, tokenizer=self._inboxes["tokenizer"],
+                            recover=self.recover, faults=faults)
 
     async def recover(self) -> str:
         """Restart the worker: replace a serving one, retry a failed one now, or start the
         executor again when it was stopped."""
         if self.supervisor.supervises(self.executor):
-            self._inboxes["executor"].put(m.Recover())
+            self._inboxes["executor"].put(am.Recover())
             return "worker restarting; it serves once it passes its health check"
         # a model worker takes a while to load and verify: do not hold the control socket
         self._nursery.start_soon(self.supervisor.start_child, self.executor)
@@ -240,7 +242,7 @@ class Daemon:
         self.supervisor.stop_child(self.executor)
         with trio.fail_after(30):
             await self.supervisor.stopped(self.executor)
-        self._scheduler_inbox.put(m.WorkerLost("worker stopped"))
+        self._scheduler_inbox.put(am.WorkerLost("worker stopped"))
         return "worker stopped"
 
     def _make_executor(self, tokenizer, scheduler_inbox: Inbox) -> Actor:
@@ -263,15 +265,16 @@ class Daemon:
         Returns whether every request finished before the deadline; the rest are cancelled.
         """
         deadline = self.config.drain_deadline if deadline is None else deadline
-        self._inboxes["gateway"].put(m.Drain())
-        self._scheduler_inbox.put(m.Drain())
+        self._inboxes["gateway"].put(am.Drain())
+        self._scheduler_inbox.put(am.Drain())
         finished = True
         with trio.move_on_after(deadline) as scope:
             while not await self._idle():
                 await trio.sleep(0.05)
         if scope.cancelled_caught:
             finished = False
-            self._scheduler_inbox.put(m.Operate("release_all"))
+            # through the tokenizer, which ends the requests it still holds
+            self._inboxes["tokenizer"].put(am.Operate(am.ReleaseAll()))
             with trio.move_on_after(2.0):  # cancelled requests' Finished need no credit
                 while not await self._idle():
                     await trio.sleep(0.05)
@@ -292,17 +295,17 @@ class Daemon:
             if live.waiting or live.running or live.paused:
                 return False
             held = await ask(self._inboxes["tokenizer"],
-                             lambda address, token: m.Ask(m.Holding(), address, token))
+                             lambda address, token: am.Ask(am.Holding(), address, token))
             if held.requests:
                 return False
-            connections = await ask(self._inboxes["gateway"], lambda address, token: m.Ask(
-                m.ListConnections(), address, token))
+            connections = await ask(self._inboxes["gateway"], lambda address, token: am.Ask(
+                am.ListConnections(), address, token))
             for stream in connections.streams:
                 outbox = self._stream_outboxes.get(stream)
                 if outbox is None:
                     outbox = self._stream_outboxes[stream] = Outbox(stream)
-                held = await ask(outbox, lambda address, token: m.Ask(
-                    m.Holding(), address, token), timeout=1.0)
+                held = await ask(outbox, lambda address, token: am.Ask(
+                    am.Holding(), address, token), timeout=1.0)
                 if held.requests:
                     return False
         except trio.TooSlowError:

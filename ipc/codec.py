@@ -4,7 +4,10 @@ A frame is the msgpack array `[major, minor, tag, {field: value}]`, or a list of
 (a batch: the daemon sends a client all of one step's messages as one frame). Decoding checks, in
 order: the frame size limit, that the bytes are msgpack, the protocol major version, the tag
 (against the set of messages the receiver accepts), and then every field's type, naming the
-offending field (dotted for nested values). Decoding never raises anything but `CodecError`.
+offending field (dotted for nested values, `[i]` for an item, `['key']` for a map entry).
+Decoding never raises anything but `CodecError`. A field is a scalar, an enum, a nested
+dataclass, or an optional, tuple or string-keyed map of those; a type the codec cannot
+check (`Any`) is refused when the codec is built.
 
 A value that checks its own ranges when it is built (`SamplingParams`: a top_p of 7) is
 refused here too, naming its field (`sampling.top_p`). Checks that need the daemon's limits (a
@@ -120,8 +123,17 @@ def _tuple_of(inner: _Check) -> _Check:
     return check
 
 
-def _check_any(value: Any, path: str) -> Any:
-    return value
+def _map_of(inner: _Check) -> _Check:
+    def check(value: Any, path: str) -> dict:
+        if type(value) is not dict:
+            raise _FieldError(path, f"expected a map, got {_type_name(value)}")
+        checked = {}
+        for key, item in value.items():
+            entry = f"{path}[{key!r}]"
+            checked[_check_str(key, entry)] = inner(item, entry)
+        return checked
+
+    return check
 
 
 class _Schema:
@@ -191,17 +203,21 @@ def _compile(hint: Any) -> _Check:
         if len(args) != 2 or args[1] is not Ellipsis:
             raise TypeError(f"only tuple[X, ...] is supported, got {hint}")
         return _tuple_of(_compile(args[0]))
+    if origin is dict:
+        key, value = typing.get_args(hint)
+        if key is not str:
+            raise TypeError(f"only dict[str, X] is supported, got {hint}")
+        return _map_of(_compile(value))
     if isinstance(hint, type) and issubclass(hint, enum.IntEnum):
         return _enum_check(hint)
     if dataclasses.is_dataclass(hint):
-        return lambda value, path: _schema(hint).decode(value, path)
+        return _schema(hint).decode  # built now, so a field it cannot check fails here
     simple: dict[Any, _Check] = {
         int: _check_int,
         float: _check_float,
         str: _check_str,
         bool: _check_bool,
         bytes: _check_bytes,
-        Any: _check_any,
     }
     if hint in simple:
         return simple[hint]
@@ -209,7 +225,8 @@ def _compile(hint: Any) -> _Check:
 
 
 def _nested_encoder(hint: Any) -> Callable[[Any], Any] | None:
-    """An encoder for fields holding dataclasses (directly, optionally or in a tuple)."""
+    """An encoder for fields holding dataclasses (directly, optionally, in a tuple or as the
+    values of a map)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -218,6 +235,9 @@ def _nested_encoder(hint: Any) -> Callable[[Any], Any] | None:
     if origin is tuple:
         inner = _nested_encoder(typing.get_args(hint)[0])
         return None if inner is None else (lambda v: [inner(item) for item in v])
+    if origin is dict:
+        inner = _nested_encoder(typing.get_args(hint)[1])
+        return None if inner is None else (lambda v: {k: inner(item) for k, item in v.items()})
     if dataclasses.is_dataclass(hint):
         return lambda v: _schema(hint).encode(v)
     return None
@@ -238,7 +258,7 @@ class Codec:
     ):
         self.max_frame_bytes = max_frame_bytes
         self._by_tag: dict[int, type] = {cls.TAG: cls for cls in accepts}
-        for cls in m.WIRE_MESSAGES:
+        for cls in (*m.WIRE_MESSAGES, *self._by_tag.values()):
             _schema(cls)
         self._packer = msgpack.Packer(use_bin_type=True)
 
@@ -319,4 +339,6 @@ def to_plain(msg: Any) -> Any:
         return msg.name.lower()
     if isinstance(msg, (list, tuple)):
         return [to_plain(item) for item in msg]
+    if isinstance(msg, dict):
+        return {key: to_plain(value) for key, value in msg.items()}
     return msg

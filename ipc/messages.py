@@ -1,12 +1,13 @@
-"""Every message sluice sends, as frozen dataclasses with stable type tags.
+"""The messages on the wire: the client protocol and the control protocol, as frozen
+dataclasses with stable type tags.
 
-Wire messages (client <-> daemon, operator <-> control socket) carry a `TAG` that never
-changes once released; `ipc.codec` maps them to msgpack. Internal messages travel between
-actors inside the daemon, over `inproc://` sockets with `ipc.internal`'s codec, and never
-leave the process; they are here too so that the whole conversation of the system can be
-read in one place. (The step plan and result the Scheduler and Executor exchange are the
-scheduler core's own types, in `sluice.actors.scheduler.plan`.) An actor is named in a
-message by the address of its inbox, never by an object. Enums on the wire are small ints.
+Each message carries a `TAG` that never changes once released; `ipc.codec` maps them to
+msgpack. The values nested in them (a report's parts, the console's `ConsoleDetail`) carry
+no tag: they travel inside the message that holds them, checked against the type of its
+field. This is all the client library and the console speak. The messages between the
+actors of one daemon never leave it and live beside them (`sluice.actors.messages`), as do
+the records actors report their state in (`sluice.actors.reports`). Enums on the wire are
+small ints.
 The sampling parameters (`SamplingParams`) and the codes `FinishReason` and `RejectCode` are
 defined in `vocabulary` and used here as they are: they are the same objects in the client
 library, the actors and the scheduler core, from the frame to the worker and back.
@@ -14,18 +15,22 @@ library, the actors and the scheduler core, from the frame to the worker and bac
 Clocks: durations are seconds measured on the daemon's monotonic clock; no field carries a
 wall-clock timestamp.
 
-What does not belong here: encoding (see `codec`), sockets, anything from `sluice.actors`.
+What does not belong here: encoding (see `codec`), sockets, anything from `sluice.actors`,
+messages that never leave the daemon.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from sluice.ipc.vocabulary import FinishReason, RejectCode, SamplingParams
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1  # 1.1: `Generate.sampling` may ask for `logprobs`
+# 1.1: `Generate.sampling` may ask for `logprobs`
+# 1.2: `ControlSnapshot.detail` is a typed `ConsoleDetail` instead of free-form maps; a 1.1
+#      console cannot read it (and a 1.2 console refuses a 1.1 daemon's detail)
+PROTOCOL_MINOR = 2
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 
@@ -204,6 +209,120 @@ class GatewayStats:
     refused_connections: int = 0  # new connections refused over the connection cap
 
 
+# -- the console's detail, nested in a ControlSnapshot ----------------------------------------
+
+
+@dataclass(frozen=True)
+class KVDetail:
+    """The KV pool beyond its block counts (those are in `StatusReport.kv`)."""
+
+    usage: float = 0.0  # used blocks / total blocks
+    high_watermark: float = 1.0  # admission stops at this usage ...
+    low_watermark: float = 1.0  # ... and starts again below this one
+    admission_open: bool = True
+    block_size: int = 0  # tokens per block
+    prefix_cache_hit_ratio: float = 0.0  # hits per lookup since the scheduler started
+
+
+@dataclass(frozen=True)
+class PlanComposition:
+    """What the latest step's plan held; all zero before the first step."""
+
+    seqs: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    budget_used: float = 0.0  # weighted tokens (see the scheduler's token_budget), of ...
+    token_budget: float = 0.0  # ... what one step may spend
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """A tenant's limits as the scheduler applies them; None is no limit."""
+
+    max_running: int | None = None
+    max_queued: int | None = None  # its own cap, else the default cap of every tenant
+    max_context: int | None = None
+    max_new_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class TenantTotals:
+    """What a tenant has used since the scheduler started."""
+
+    service: float = 0.0  # the fair policy's weighted count of tokens computed
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    recomputed_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    kv_block_seconds: float = 0.0
+    finished: int = 0
+    rejected: int = 0
+
+
+@dataclass(frozen=True)
+class TenantRow:
+    """One tenant: its settings, its live requests and what it has used."""
+
+    weight: float = 1.0
+    limits: TenantLimits = TenantLimits()
+    configured: bool = False  # set up by the config or an operator, not only named by a client
+    queues: dict[str, int] = field(default_factory=dict)  # its live requests by state
+    waiting: int = 0
+    running: int = 0  # requests holding KV, not counting paused ones
+    virtual_time: float = 0.0  # the fair policy's clock of the tenant
+    totals: TenantTotals = TenantTotals()
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    request_id: str  # the daemon-wide id, what `CancelCommand` takes
+    tenant: str
+    state: str  # waiting | prefilling | decoding | paused | preempted
+    age: float  # seconds since it arrived
+    prompt_tokens: int
+    output_tokens: int
+    blocks: int  # KV blocks it holds
+    paused: bool  # its client is slow: no decoding until it reads
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    p50: float = 0.0
+    p95: float = 0.0
+    p99: float = 0.0
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    """Over the latest samples the scheduler keeps (seconds)."""
+
+    ttft: Percentiles = Percentiles()  # time to first token
+    itl: Percentiles = Percentiles()  # inter-token latency
+    tokens_per_second: float = 0.0  # output tokens over the last few seconds
+    output_tokens: int = 0  # since the scheduler started
+
+
+@dataclass(frozen=True)
+class ConsoleDetail:
+    """What the console shows beyond the `StatusReport` beside it, which already says the
+    worker's state, whether the daemon drains, the KV block counts and the counters."""
+
+    step: int = 0  # steps the scheduler has planned since it started
+    policy: str = ""  # fcfs | priority | srpt | fair
+    queues: dict[str, int] = field(default_factory=dict)  # live requests by state
+    kv: KVDetail = KVDetail()
+    last_step: PlanComposition = PlanComposition()
+    rejected: int = 0  # requests the scheduler refused at admission
+    ended: dict[str, int] = field(default_factory=dict)  # by finish reason, named lower case
+    # configured tenants and those with live requests, by name
+    tenants: dict[str, TenantRow] = field(default_factory=dict)
+    # idle tenants a client named, summed: one entry however many names clients invent
+    other_tenants: TenantTotals = TenantTotals()
+    requests: tuple[RequestRow, ...] = ()  # live requests, at most a few hundred
+    latency: LatencySummary = LatencySummary()
+
+
 @dataclass(frozen=True)
 class StatusQuery:
     TAG: ClassVar[int] = 32
@@ -236,9 +355,7 @@ class ControlSnapshot:
     TAG: ClassVar[int] = 35
     seq: int  # increases by one per snapshot the daemon publishes
     status: StatusReport
-    # queues per state and tenant, KV with watermarks, latest plan, latency percentiles,
-    # throughput, tenants and live requests: plain maps, see SchedulerActor.detail()
-    detail: Any = None
+    detail: ConsoleDetail | None = None  # None: no scheduler detail; the console shows zeros
 
 
 @dataclass(frozen=True)
@@ -333,243 +450,3 @@ CONTROL_REQUESTS: tuple[type, ...] = (
     CancelCommand, TenantSet, InjectFault,
 )  # fmt: skip
 CONTROL_REPLIES: tuple[type, ...] = (StatusReport, ControlSnapshot, CommandReply, Rejected)
-
-
-# -- internal (between actors of one daemon; never on the wire) ---------------------------------
-
-
-@dataclass(frozen=True)
-class Admit:
-    """Tokenizer -> Scheduler: a validated, tokenized request."""
-
-    request_id: str  # daemon-wide id
-    connection: bytes
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams  # the client's, as it arrived
-    priority: int
-    tenant: str
-    arrival: float  # monotonic
-
-
-@dataclass(frozen=True)
-class Release:
-    """Stream -> Tokenizer -> Scheduler: end these requests now and free their KV.
-
-    The Tokenizer ends those it still holds and forwards the rest behind their `Admit`."""
-
-    request_ids: tuple[str, ...]
-    reason: FinishReason
-
-
-@dataclass(frozen=True)
-class PauseDecoding:
-    """Stream -> Tokenizer -> Scheduler: stop decoding the request (its client is slow); its
-    KV stays."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class ResumeDecoding:
-    """Stream -> Tokenizer -> Scheduler: decode a paused request again (not `ResumeCommand`,
-    the operator's end of a drain)."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class ClientGone:
-    connection: bytes
-
-
-@dataclass(frozen=True)
-class WorkerLost:
-    """Executor -> Scheduler: the worker died; every in-flight step is void."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class WorkerReady:
-    """Executor -> Scheduler: a (re)started worker passed its health check (also the answer
-    to `AskWorker` while the worker serves)."""
-
-    restarts: int
-    pid: int = 0
-    dtype: str = ""  # what the worker resolved --dtype to (and --kv-dtype below)
-    kv_dtype: str = ""
-
-
-@dataclass(frozen=True)
-class WorkerFailed:
-    """Executor -> Scheduler: no worker could be started in `attempts` tries in a row.
-
-    A state, not a crash: the executor keeps retrying on a long backoff (or at once on
-    `Recover`) and says `WorkerReady` when one passes its health check; until then requests
-    get an error saying the worker failed. Also the answer to `AskWorker` in that state."""
-
-    reason: str
-    attempts: int
-
-
-@dataclass(frozen=True)
-class AskWorker:
-    """Scheduler -> Executor: say the worker's state again (a restarted scheduler forgot it).
-
-    Answered with `WorkerReady` or `WorkerFailed`; while a worker is starting there is no
-    answer yet: the one that comes when it is decided serves."""
-
-
-@dataclass(frozen=True)
-class Drain:
-    """Daemon or Control -> Gateway and Scheduler: admit nothing new (the deadline, if any,
-    is kept by whoever sent this)."""
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    report: StatusReport
-
-
-@dataclass(frozen=True)
-class Recover:
-    """Daemon -> Executor: restart the worker now (replace a serving one; retry a failed one
-    without waiting for its backoff)."""
-
-
-@dataclass(frozen=True)
-class Holding:
-    """Asked of the Tokenizer inside an `Ask`: how many requests it holds (tokenizing,
-    waiting for the scheduler's decision, or streaming); the answer is `Held`."""
-
-
-@dataclass(frozen=True)
-class Held:
-    requests: int
-
-
-@dataclass(frozen=True)
-class Encode:
-    """Stream -> Tokenizer: a client's Generate, to validate, tokenize and admit."""
-
-    generate: Generate
-    request_id: str  # daemon-wide id ("<connection hex>/<client request id>")
-    connection: bytes
-    reply_to: str  # the address of the Stream actor's inbox
-    arrival: float  # monotonic
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """Scheduler -> Tokenizer: the core accepted the request."""
-
-    request_id: str
-    prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class AdmissionRefused:
-    """Scheduler -> Tokenizer: the core refused the request (too long, quota, overloaded...);
-    the Tokenizer tells the client with a `Rejected`."""
-
-    request_id: str
-    code: RejectCode
-    message: str
-    field: str = ""
-
-
-@dataclass(frozen=True)
-class StepOutputs:
-    """Scheduler -> Tokenizer: what one iteration produced (the core's RequestOutputs)."""
-
-    outputs: tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class StopMatched:
-    """Tokenizer -> Scheduler: a stop string matched; end the request with STOP (its client
-    has its `Finished` already)."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class Deliver:
-    """Tokenizer -> Stream: wire messages for one connection, in order."""
-
-    messages: tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class Outbound:
-    """Stream -> Gateway: encoded messages for one client, sent as one multipart message."""
-
-    connection: bytes
-    frames: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class StreamClosed:
-    """Stream -> Gateway: the connection is gone and its stream has released everything.
-
-    Gateway -> Stream, in answer: the gateway routes nothing more to it; the stream ends once
-    it has refused whatever was routed to it before this."""
-
-    connection: bytes
-
-
-@dataclass(frozen=True)
-class FailAll:
-    """Gateway -> Stream: end every request of the connection with an error, then close."""
-
-    message: str
-
-
-@dataclass(frozen=True)
-class Ask:
-    """Control -> Scheduler: a status query; the answer comes back as `Reply(token, Snapshot)`
-    (a `ControlSnapshot` for `Subscribe`). Control -> Gateway: `ListConnections`."""
-
-    query: Any  # StatusQuery, Subscribe or ListConnections
-    reply_to: str  # the asker's inbox address
-    token: int  # echoed in the Reply, so concurrent questions get their own answers
-
-
-@dataclass(frozen=True)
-class ListConnections:
-    """Control -> Gateway, inside an `Ask`: which client connections are live; the answer is
-    `Connections`."""
-
-
-@dataclass(frozen=True)
-class Connections:
-    ids: frozenset[bytes]
-    streams: tuple[str, ...] = ()  # their Stream actors' inboxes, for drain to ask (`Holding`)
-    stats: GatewayStats = GatewayStats()  # the gateway's counters, for status reports
-
-
-@dataclass(frozen=True)
-class EndDrain:
-    """Control -> Gateway and Scheduler: admit again (what `ResumeCommand` asks for)."""
-
-
-@dataclass(frozen=True)
-class Operate:
-    """Control -> Scheduler: an operator command; a `Reply(token, CommandReply)` goes to
-    `reply_to` (nowhere when it is empty).
-
-    `connections` is the set of live client connections (for reconcile)."""
-
-    command: Any  # a control command message, or "release_all" (a drain deadline passed)
-    reply_to: str = ""
-    token: int = 0
-    connections: frozenset[bytes] = frozenset()
-
-
-@dataclass(frozen=True)
-class Reply:
-    """The answer to an `Ask` or `Operate`, matched to it by `token`."""
-
-    token: int
-    message: Any
-

@@ -51,17 +51,17 @@ class KVPanel(Vertical):
 
     def show(self, snapshot: m.ControlSnapshot) -> None:
         kv = snapshot.status.kv
-        info = (snapshot.detail or {}).get("kv", {})
+        info = (snapshot.detail or m.ConsoleDetail()).kv
         total = max(kv.total_blocks, 1)
         used = kv.used_blocks / total
-        high, low = info.get("high_watermark", 1.0), info.get("low_watermark", 1.0)
+        high, low = info.high_watermark, info.low_watermark
         self.history.append(used)
         line = (f"used {kv.used_blocks}/{kv.total_blocks} ({used:.0%})  free {kv.free_blocks}"
                 f"  cached {kv.cached_blocks}  L {low:.0%} H {high:.0%}")
         self.plain = line
         text = gauge(used, high, low)
         text.append("\n" + line)
-        if not info.get("admission_open", True):
+        if not info.admission_open:
             text.append("  admission closed", style="bold red")
         self.gauge.update(text)
         self.sparkline.data = list(self.history)

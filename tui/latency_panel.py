@@ -12,10 +12,10 @@ from sluice.ipc import messages as m
 
 HISTORY = 120
 
-SERIES = (  # id, title, how to read it from the snapshot's latency block
-    ("throughput", "tokens/s", lambda lat: lat.get("tokens_per_second", 0.0)),
-    ("ttft", "TTFT p50", lambda lat: lat.get("ttft", {}).get("p50", 0.0)),
-    ("itl", "ITL p50", lambda lat: lat.get("itl", {}).get("p50", 0.0)),
+SERIES = (  # id, title, how to read it from the snapshot's latency summary
+    ("throughput", "tokens/s", lambda lat: lat.tokens_per_second),
+    ("ttft", "TTFT p50", lambda lat: lat.ttft.p50),
+    ("itl", "ITL p50", lambda lat: lat.itl.p50),
 )
 
 
@@ -45,7 +45,7 @@ class LatencyPanel(Horizontal):
                 yield self.sparklines[name]
 
     def show(self, snapshot: m.ControlSnapshot) -> None:
-        latency = (snapshot.detail or {}).get("latency", {})
+        latency = (snapshot.detail or m.ConsoleDetail()).latency
         parts = []
         for name, title, read in SERIES:
             value = float(read(latency))

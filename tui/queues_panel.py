@@ -20,21 +20,19 @@ class QueuesPanel(Static):
         self.plain = ""
 
     def show(self, snapshot: m.ControlSnapshot) -> None:
-        detail = snapshot.detail or {}
-        queues = detail.get("queues", {})
+        detail = snapshot.detail or m.ConsoleDetail()
+        queues = detail.queues
         table = Table(box=None, pad_edge=False, header_style="bold", padding=(0, 1))
         table.add_column("tenant")
         for state in STATES:
             table.add_column(HEADERS.get(state, state), justify="right")
         table.add_row("[b]all[/b]", *(str(queues.get(s, 0)) for s in STATES))
-        for name, tenant in sorted(detail.get("tenants", {}).items()):
-            per = tenant.get("queues", {})
-            table.add_row(name, *(str(per.get(s, 0)) for s in STATES))
-        step = detail.get("last_step", {})
+        for name, tenant in sorted(detail.tenants.items()):
+            table.add_row(name, *(str(tenant.queues.get(s, 0)) for s in STATES))
+        step = detail.last_step
         counters = snapshot.status.counters
         lines = [" ".join(f"{s} {queues.get(s, 0)}" for s in STATES),
-                 f"plan: prefill {int(step.get('prefill_tokens', 0))} tok, "
-                 f"decode {int(step.get('decode_tokens', 0))}; "
+                 f"plan: prefill {step.prefill_tokens} tok, decode {step.decode_tokens}; "
                  f"preempted {counters.preemptions}, rejected {counters.rejected}"]
         self.plain = "\n".join(lines)
         grid = Table.grid()

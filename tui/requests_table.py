@@ -22,14 +22,14 @@ class RequestsTable(DataTable):
         self.add_columns(*COLUMNS)
 
     def show(self, snapshot: m.ControlSnapshot) -> None:
-        requests = (snapshot.detail or {}).get("requests", [])
+        requests = (snapshot.detail or m.ConsoleDetail()).requests
         selected = self.selected_id()
         self.clear()
-        self.ids = [r["id"] for r in requests]
+        self.ids = [r.request_id for r in requests]
         for r in requests:
-            self.add_row(r["id"], r["tenant"], r["state"], f"{r['age']:.1f}s",
-                         str(r["prompt_tokens"]), str(r["output_tokens"]), str(r["blocks"]),
-                         "yes" if r["paused"] else "", key=r["id"])
+            self.add_row(r.request_id, r.tenant, r.state, f"{r.age:.1f}s", str(r.prompt_tokens),
+                         str(r.output_tokens), str(r.blocks), "yes" if r.paused else "",
+                         key=r.request_id)
         if selected in self.ids:
             self.move_cursor(row=self.ids.index(selected))
 

@@ -20,11 +20,11 @@ class TenantsTable(DataTable):
         self.add_columns(*COLUMNS)
 
     def show(self, snapshot: m.ControlSnapshot) -> None:
-        tenants = (snapshot.detail or {}).get("tenants", {})
-        total = sum(t.get("service", 0.0) for t in tenants.values()) or 1.0
+        tenants = (snapshot.detail or m.ConsoleDetail()).tenants
+        total = sum(t.totals.service for t in tenants.values()) or 1.0
         self.clear()
         for name, t in sorted(tenants.items()):
-            self.add_row(name, f"{t['weight']:g}", f"{t['service'] / total:.0%}",
-                         str(t["running"]), str(t["waiting"]),
-                         str(t["prefill_tokens"] + t["decode_tokens"]), str(t["preemptions"]),
-                         key=name)
+            used = t.totals
+            self.add_row(name, f"{t.weight:g}", f"{used.service / total:.0%}", str(t.running),
+                         str(t.waiting), str(used.prefill_tokens + used.decode_tokens),
+                         str(used.preemptions), key=name)

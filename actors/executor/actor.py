@@ -34,10 +34,10 @@ import structlog
 import trio
 import zmq
 
+from sluice.actors import messages as am
 from sluice.actors.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.reports import WorkerFacts, WorkerQuery, WorkerState
 from sluice.actors.executor.worker import RESULT, PlanFrame, ResultFrame
-from sluice.ipc import messages as m
 from sluice.ipc.sockets import Socket
 
 log = structlog.get_logger("sluice.executor")
@@ -107,27 +107,27 @@ class Executor(Actor):
         self.step_started: float | None = None
 
     def handlers(self) -> dict[type, Handler]:
-        return {PlanFrame: self.on_plan, m.AskWorker: self.on_ask_worker, m.Recover: self.on_recover,
-                m.Ask: self.on_ask}
+        return {PlanFrame: self.on_plan, am.AskWorker: self.on_ask_worker,
+                am.Recover: self.on_recover, am.Ask: self.on_ask}
 
-    async def on_ask(self, msg: m.Ask) -> None:
+    async def on_ask(self, msg: am.Ask) -> None:
         if isinstance(msg.query, WorkerQuery):
-            self.askers.put(msg.reply_to, m.Reply(msg.token, WorkerState(
+            self.askers.put(msg.reply_to, am.Reply(msg.token, WorkerState(
                 self.state, self.facts, self.failure)))
 
     def close(self) -> None:
         super().close()
         self.askers.close()
 
-    async def on_ask_worker(self, msg: m.AskWorker) -> None:
+    async def on_ask_worker(self, msg: am.AskWorker) -> None:
         if self.state == "ready":
             facts = self.facts
-            self.scheduler.put(m.WorkerReady(self.restarts, self.pid or 0, facts.dtype,
+            self.scheduler.put(am.WorkerReady(self.restarts, self.pid or 0, facts.dtype,
                                              facts.kv_dtype))
         elif self.state == "failed":
-            self.scheduler.put(m.WorkerFailed(self.failure, self.failed_starts))
+            self.scheduler.put(am.WorkerFailed(self.failure, self.failed_starts))
 
-    async def on_recover(self, msg: m.Recover) -> None:
+    async def on_recover(self, msg: am.Recover) -> None:
         """Replace a serving worker; retry a failed or restarting one now."""
         if self.state == "ready":
             self.kill_worker()  # the loop starts a fresh worker and re-verifies it
@@ -172,7 +172,7 @@ class Executor(Actor):
                     self.failed_starts, backoff = 0, self.spec.backoff_initial
                     self.failure = ""
                     self.state = "ready"
-                    self.scheduler.put(m.WorkerReady(self.restarts, self.pid or 0,
+                    self.scheduler.put(am.WorkerReady(self.restarts, self.pid or 0,
                                                      self.facts.dtype, self.facts.kv_dtype))
                     if first:
                         first = False
@@ -191,7 +191,7 @@ class Executor(Actor):
             wait = backoff
             if healthy:
                 self.state = "restarting"
-                self.scheduler.put(m.WorkerLost(reason))
+                self.scheduler.put(am.WorkerLost(reason))
             else:
                 self.failed_starts += 1
                 self.failure = reason
@@ -201,7 +201,7 @@ class Executor(Actor):
                                   attempts=self.failed_starts,
                                   retry_in=self.spec.failed_retry_interval)
                     self.state = "failed"
-                    self.scheduler.put(m.WorkerFailed(reason, self.failed_starts))
+                    self.scheduler.put(am.WorkerFailed(reason, self.failed_starts))
                     wait = self.spec.failed_retry_interval
                     if first:
                         first = False
@@ -314,4 +314,4 @@ class Executor(Actor):
         self.kill_worker()
 
     async def on_crash(self, exc: BaseException) -> None:
-        self.scheduler.put(m.WorkerLost(f"executor crashed: {type(exc).__name__}"))
+        self.scheduler.put(am.WorkerLost(f"executor crashed: {type(exc).__name__}"))

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 import msgpack
 
+from sluice.actors import messages as am
 from sluice.actors.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
 from sluice.actors.reports import WorkerFacts, WorkerQuery, WorkerState
 from sluice.actors.scheduler.plan import SampledToken, StepResult
-from sluice.ipc import messages as m
 
 
 class NullExecutor(Actor):
@@ -38,27 +38,27 @@ class NullExecutor(Actor):
 
     def reset(self) -> None:
         self.restarts += 1
-        self.scheduler.put(m.WorkerReady(self.restarts))
+        self.scheduler.put(am.WorkerReady(self.restarts))
 
     def handlers(self) -> dict[type, Handler]:
-        return {PlanFrame: self.on_plan, m.AskWorker: self.on_ask_worker,
-                m.Recover: self.on_recover, m.Ask: self.on_ask}
+        return {PlanFrame: self.on_plan, am.AskWorker: self.on_ask_worker,
+                am.Recover: self.on_recover, am.Ask: self.on_ask}
 
-    async def on_ask(self, msg: m.Ask) -> None:
+    async def on_ask(self, msg: am.Ask) -> None:
         if isinstance(msg.query, WorkerQuery):
-            self.askers.put(msg.reply_to, m.Reply(msg.token, WorkerState(self.state, self.facts)))
+            self.askers.put(msg.reply_to, am.Reply(msg.token, WorkerState(self.state, self.facts)))
 
     def close(self) -> None:
         super().close()
         self.askers.close()
 
-    async def on_ask_worker(self, msg: m.AskWorker) -> None:
-        self.scheduler.put(m.WorkerReady(self.restarts))  # a fake worker is always ready
+    async def on_ask_worker(self, msg: am.AskWorker) -> None:
+        self.scheduler.put(am.WorkerReady(self.restarts))  # a fake worker is always ready
 
-    async def on_recover(self, msg: m.Recover) -> None:
+    async def on_recover(self, msg: am.Recover) -> None:
         """A fake worker has nothing to restart: count it and say it is ready again."""
         self.restarts += 1
-        self.scheduler.put(m.WorkerReady(self.restarts))
+        self.scheduler.put(am.WorkerReady(self.restarts))
 
     async def on_plan(self, frame: PlanFrame) -> None:
         plan = decode_plan(msgpack.unpackb(frame.frame, strict_map_key=False))
@@ -71,4 +71,4 @@ class NullExecutor(Actor):
         self.scheduler.put(ResultFrame(encode_result(StepResult(plan.step_id, sampled))))
 
     async def on_crash(self, exc: BaseException) -> None:
-        self.scheduler.put(m.WorkerLost(f"null executor crashed: {type(exc).__name__}"))
+        self.scheduler.put(am.WorkerLost(f"null executor crashed: {type(exc).__name__}"))

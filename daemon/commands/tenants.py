@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     from sluice.ipc import messages as m
+    from sluice.ipc.codec import to_plain
     from sluice.ipc.control import send_command_sync
     from sluice.ipc.errors import SluiceError
 
@@ -48,15 +49,16 @@ def _list(args: argparse.Namespace) -> int:
     except SluiceError as exc:
         print(f"sluice tenants: {exc}", file=sys.stderr)
         return 2
-    tenants = (snap.detail or {}).get("tenants", {})
+    tenants = (snap.detail or m.ConsoleDetail()).tenants
     if args.json:
-        print(json.dumps(tenants))
+        print(json.dumps(to_plain(tenants)))
         return 0
-    total = sum(t["service"] for t in tenants.values()) or 1.0
+    total = sum(t.totals.service for t in tenants.values()) or 1.0
     print(f"{'tenant':<16}{'weight':>8}{'share':>8}{'running':>9}{'queued':>8}"
           f"{'tokens':>10}{'preempt':>9}")
     for name, t in sorted(tenants.items()):
-        tokens = t["prefill_tokens"] + t["decode_tokens"]
-        print(f"{name:<16}{t['weight']:>8g}{t['service'] / total:>8.0%}{t['running']:>9}"
-              f"{t['waiting']:>8}{tokens:>10}{t['preemptions']:>9}")
+        used = t.totals
+        print(f"{name:<16}{t.weight:>8g}{used.service / total:>8.0%}{t.running:>9}"
+              f"{t.waiting:>8}{used.prefill_tokens + used.decode_tokens:>10}"
+              f"{used.preemptions:>9}")
     return 0

@@ -80,8 +80,12 @@ async def test_typed_rejections_name_the_field(null_daemon) -> None:
             with pytest.raises(InvalidRequestError) as invalid:
                 await client.generate("hi", top_p=7.0)
             assert invalid.value.field == "sampling.top_p"
-            with pytest.raises(TooLongError):
+            with pytest.raises(TooLongError) as too_long:
                 await client.generate(prompt_ids=[5] * 100)
+            assert too_long.value.field == "prompt_ids"  # what this client sent
+            with pytest.raises(TooLongError) as too_long:
+                await client.generate("hi " * 100)
+            assert too_long.value.field == "prompt"
             with pytest.raises(InvalidRequestError) as both:
                 await client.generate("hi", prompt_ids=[1])
             assert both.value.field == "prompt"

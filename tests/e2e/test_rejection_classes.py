@@ -43,8 +43,9 @@ async def test_the_client_raises_the_class_of_each_code_the_daemon_sends(null_da
             with pytest.raises(TooLongError):
                 await client.generate(prompt_ids=[5] * 100)
         async with AsyncClient(daemon.listen, tenant="capped") as capped:
-            with pytest.raises(QuotaError):
+            with pytest.raises(QuotaError) as quota:
                 await capped.generate("hi", max_tokens=10)
+            assert quota.value.field == "sampling.max_tokens"  # the wire's name for it
             # the same client within its tenant's limit is served
             assert (await (await capped.generate("hi", max_tokens=2)).collect()).finish_reason \
                 == "length"

@@ -22,7 +22,7 @@ from daemon_support import assert_drained_and_consistent
 from raw_peer import RawPeer
 from sluice.actors.tokenizer import LONG_PROMPT_BYTES, TOKENIZER_THREADS
 from sluice.ipc import messages as m
-from sluice.ipc.control import fetch_status
+from sluice.ipc.control import fetch_status, send_command
 
 CONTEXT = 65536  # the null model's context: a request may run for tens of thousands of steps
 MANY = CONTEXT - 1024  # max_tokens: no request here can finish by length before its cancel
@@ -189,6 +189,38 @@ async def test_cancel_while_tokenizing_ends_the_request_and_frees_its_bytes(
             assert not ledger.accepted & set(cancelled)
             await assert_drained_and_consistent(handle.control)
             assert tokenizer.pending_prompt_bytes == 0
+    finally:
+        gated.gate.set()
+
+
+async def test_an_operator_cancels_a_request_while_it_is_tokenized(null_daemon) -> None:
+    """`sluice cancel` takes the route requests take: one still on a tokenizer thread ends
+    there (it is not "unknown" to the scheduler), and one already admitted is still found."""
+    handle = await start(null_daemon)
+    tokenizer = handle.daemon.tokenizer
+    gated = GatedTokenizer(tokenizer.tokenizer)
+    tokenizer.tokenizer = gated
+    try:
+        async with connected(handle) as ledger:
+            await ledger.peer.send(generate("long", prompt=BIG_PROMPT))
+            await ledger.peer.send(generate("short", credits=1))
+            await ledger.until(lambda: len(tokenizer.tokenizing) == 1 and gated.inside == 1
+                               and "short" in ledger.accepted)
+            (long_id,) = tokenizer.tokenizing
+            reply = await send_command(handle.control, m.CancelCommand(long_id))
+            assert reply.ok, reply
+            await ledger.until_ended(["long"])
+            short_id = long_id.rsplit("/", 1)[0] + "/short"
+            reply = await send_command(handle.control, m.CancelCommand(short_id))
+            assert reply.ok, reply
+            await ledger.until_ended(["short"])
+            ledger.assert_cancelled_once(["long", "short"])
+            gone = await send_command(handle.control, m.CancelCommand(long_id))
+            assert not gone.ok  # ended: nothing is left to cancel
+            gated.gate.set()
+            await ledger.settle()
+            assert "long" not in ledger.accepted and tokenizer.pending_prompt_bytes == 0
+            await assert_drained_and_consistent(handle.control)
     finally:
         gated.gate.set()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import trio
 
+from sluice.actors import messages as am
 from sluice.actors.stream import Stream
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
@@ -88,7 +89,7 @@ async def test_a_closed_stream_refuses_what_was_routed_to_it(null_daemon) -> Non
         stream = gateway.streams[peer.identity]
         # what the gateway does when the peer is unreachable, then a Generate it routes to
         # the same stream before it has learnt that the stream closed
-        stream.inbox.put(m.ClientGone(peer.identity))
+        stream.inbox.put(am.ClientGone(peer.identity))
         stream.inbox.put(m.Generate("raced", prompt="hi", sampling=m.SamplingParams(max_tokens=2)))
         refused = await peer.receive()
         assert isinstance(refused, m.Rejected) and refused.request_id == "raced"

@@ -7,6 +7,7 @@ import trio
 
 import msgpack
 
+from sluice.actors import messages as am
 from sluice.actors.base import Inbox
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
@@ -64,8 +65,8 @@ def _result(result: StepResult) -> ResultFrame:
     return ResultFrame(encode_result(result))
 
 
-def _admit(rid: str) -> m.Admit:
-    return m.Admit(rid, b"", (5, 6, 7), SamplingParams(max_tokens=4, temperature=0.0), 0,
+def _admit(rid: str) -> am.Admit:
+    return am.Admit(rid, b"", (5, 6, 7), SamplingParams(max_tokens=4, temperature=0.0), 0,
                    "default", 0.0)
 
 
@@ -83,11 +84,11 @@ async def test_a_late_result_of_an_earlier_incarnations_plan_is_ignored() -> Non
         await actor.on_result_frame(_result(StepResult(old_plan.step_id,
                                                       {"old": SampledToken(9)})))
         assert actor.in_flight is not None, "a stale result must not end the step in flight"
-        assert not [o for o in taken_from(tokenizer) if isinstance(o, m.StepOutputs)]
+        assert not [o for o in taken_from(tokenizer) if isinstance(o, am.StepOutputs)]
 
         await actor.on_result_frame(_result(StepResult(new_plan.step_id,
                                                       {"new": SampledToken(9)})))
-        outputs = [out for msg in taken_from(tokenizer) if isinstance(msg, m.StepOutputs)
+        outputs = [out for msg in taken_from(tokenizer) if isinstance(msg, am.StepOutputs)
                    for out in msg.outputs]
         assert [(out.request_id, out.new_token_ids) for out in outputs] == [("new", [9])]
         actor.core.abort("new")

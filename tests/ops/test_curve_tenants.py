@@ -83,9 +83,9 @@ async def test_curve_keys_decide_service_and_tenant(null_daemon) -> None:
         refused = await client.until(m.Rejected, "over")
         assert refused.code == m.RejectCode.QUOTA
         snap = await send_command(handle.control, m.Subscribe(ttl=0.5))
-        assert {r["tenant"] for r in snap.detail["requests"]} == {"chat"}
-        assert snap.detail["tenants"]["chat"]["finished"] >= 1
-        assert "someone-else" not in snap.detail["tenants"]
+        assert {r.tenant for r in snap.detail.requests} == {"chat"}
+        assert snap.detail.tenants["chat"].totals.finished >= 1
+        assert "someone-else" not in snap.detail.tenants
         for rid in ("long-1", "long-2"):
             await client.send(m.Cancel(rid))
             await client.until(m.Finished, rid)
@@ -112,4 +112,4 @@ async def test_the_client_library_speaks_curve(null_daemon) -> None:
                                                   ignore_eos=True)).collect()
     assert result.finish_reason == "length" and len(result.token_ids) == 3
     snap = await send_command(handle.control, m.Subscribe(ttl=0.5))
-    assert snap.detail["tenants"]["chat"]["finished"] == 1
+    assert snap.detail.tenants["chat"].totals.finished == 1

@@ -60,12 +60,12 @@ async def test_cancel_by_daemon_id_ends_the_request_for_its_client(null_daemon) 
         async with AsyncClient(handle.listen, credit_window=1) as client:
             generation = await client.generate("x", max_tokens=3000)
             snap = await send_command(handle.control, m.Subscribe(ttl=0.5))
-            (listed,) = snap.detail["requests"]
-            assert listed["id"].endswith("/" + generation.request_id)
-            reply = await send_command(handle.control, m.CancelCommand(listed["id"]))
+            (listed,) = snap.detail.requests
+            assert listed.request_id.endswith("/" + generation.request_id)
+            reply = await send_command(handle.control, m.CancelCommand(listed.request_id))
             assert reply.ok
             assert (await generation.collect()).finish_reason == "cancelled"
-            again = await send_command(handle.control, m.CancelCommand(listed["id"]))
+            again = await send_command(handle.control, m.CancelCommand(listed.request_id))
             assert not again.ok and "no live request" in again.message
 
 
@@ -85,7 +85,7 @@ async def test_tenant_set_limits_admission(null_daemon) -> None:
         bad = await send_command(handle.control, m.TenantSet("batch", weight=-1.0))
         assert not bad.ok and "weight" in bad.message
         snap = await send_command(handle.control, m.Subscribe(ttl=0.5))
-        assert snap.detail["tenants"]["batch"]["weight"] == 2.0
+        assert snap.detail.tenants["batch"].weight == 2.0
 
 
 async def test_reconcile_frees_a_leaked_block_and_a_request_whose_stream_vanished(

@@ -53,7 +53,7 @@ async def test_sighup_with_requests_in_flight_loses_none(sluiced, drained_and_co
                 await listener.wait_for("RELOADING=1")
                 await listener.wait_for("READY=1", count=2)
                 snap = await send_command(fields["control"], m.Subscribe(ttl=0.5))
-                assert snap.detail["tenants"]["chat"]["weight"] == 3.0  # the reload took
+                assert snap.detail.tenants["chat"].weight == 3.0  # the reload took
                 reloaded.set()
     assert [r.finish_reason for r in results] == ["length"] * STREAMS
     assert [len(r.token_ids) for r in results] == [TOKENS] * STREAMS

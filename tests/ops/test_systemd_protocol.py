@@ -85,8 +85,8 @@ async def test_sighup_reloads_tenant_limits(sluiced, drained_and_consistent, tmp
     await listener.wait_for("RELOADING=1")
     await listener.wait_for("READY=1", count=2)
     snap = await send_command(control, m.Subscribe(ttl=0.5))
-    assert snap.detail["tenants"]["batch"]["weight"] == 3.0
-    assert snap.detail["tenants"]["opened"]["weight"] == 2.0
+    assert snap.detail.tenants["batch"].weight == 3.0
+    assert snap.detail.tenants["opened"].weight == 2.0
     with trio.fail_after(20):
         assert [await refused(t) for t in ("batch", "opened", "gone")] == [True, False, False]
     await drained_and_consistent(control)

@@ -43,8 +43,8 @@ def test_numbers_on_screen_match_the_snapshot_and_cancel_ends_the_request(consol
                 assert f"paused {counts.paused}" in _panel_text(app, "#queues")
                 table = app.query_one("#requests")
                 (row,) = [table.get_row_at(i) for i in range(table.row_count)]
-                listed = snap.detail["requests"][0]
-                assert row[0] == listed["id"] and row[1] == "alpha" and row[7] == "yes"
+                listed = snap.detail.requests[0]
+                assert row[0] == listed.request_id and row[1] == "alpha" and row[7] == "yes"
                 tenants = app.query_one("#tenants")
                 assert "alpha" in [tenants.get_row_at(i)[0] for i in range(tenants.row_count)]
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import msgpack
 
+from sluice.actors import messages as am
 from sluice.actors.base import Inbox
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
 from sluice.actors.reports import Backlog, BacklogGauge
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
 from sluice.actors.scheduler_actor import SchedulerActor
-from sluice.ipc import messages as m
 
 from daemon_support import taken_from
 
@@ -42,7 +42,7 @@ async def test_the_scheduler_waits_for_room_downstream_then_steps_again() -> Non
     try:
         actor.reset()
         taken_from(executor)  # the AskWorker of a fresh incarnation
-        await actor.on_admit(m.Admit("r", b"", (5, 6, 7), SamplingParams(max_tokens=8), 0,
+        await actor.on_admit(am.Admit("r", b"", (5, 6, 7), SamplingParams(max_tokens=8), 0,
                                      "default", 0.0))
         [first] = [msg for msg in taken_from(executor) if isinstance(msg, PlanFrame)]
         await actor.on_backlog(Backlog("tokenizer", 80))

@@ -9,6 +9,7 @@ import trio
 import trio.testing
 
 from sluice.actors import base
+from sluice.actors import messages as am
 from sluice.actors.base import Actor, Inbox, Outbox
 from sluice.actors.supervisor import Supervisor
 from sluice.ipc import messages as m
@@ -24,9 +25,9 @@ class Recorder(Actor):
         self.starts += 1
 
     def handlers(self):
-        return {m.PauseDecoding: self.on_pause, int: self.on_int}
+        return {am.PauseDecoding: self.on_pause, int: self.on_int}
 
-    async def on_pause(self, msg: m.PauseDecoding) -> None:
+    async def on_pause(self, msg: am.PauseDecoding) -> None:
         self.seen.append(msg)
 
     async def on_int(self, value: int) -> None:
@@ -40,12 +41,12 @@ async def test_messages_cross_an_inproc_socket_in_order() -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(actor.run)
         for i in range(300):
-            sender.put(m.PauseDecoding(f"r{i}") if i % 2 else i)
+            sender.put(am.PauseDecoding(f"r{i}") if i % 2 else i)
         with trio.fail_after(5):
             while len(actor.seen) < 300:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
-    assert actor.seen == [m.PauseDecoding(f"r{i}") if i % 2 else i for i in range(300)]
+    assert actor.seen == [am.PauseDecoding(f"r{i}") if i % 2 else i for i in range(300)]
     sender.close()
     actor.close()
 
@@ -101,7 +102,7 @@ async def test_step_path_messages_are_handed_over_in_order_with_encoded_ones() -
     sender = Outbox(inbox.address)
     chunk = m.Chunk("r1", "hi", (1, 2))
     finished = m.Finished("r1", m.FinishReason.LENGTH)
-    deliveries = [m.Deliver((chunk,)), m.PauseDecoding("r1"), m.Deliver((finished,))]
+    deliveries = [am.Deliver((chunk,)), am.PauseDecoding("r1"), am.Deliver((finished,))]
     for msg in deliveries:
         sender.put(msg)
     taken = [inbox.get_nowait() for _ in deliveries]
@@ -115,14 +116,14 @@ async def test_step_path_messages_are_handed_over_in_order_with_encoded_ones() -
 async def test_a_mutable_value_is_never_handed_to_another_actor() -> None:
     inbox = Inbox("mutable")
     with pytest.raises(TypeError, match="list"):
-        inbox.put(m.Deliver((m.Chunk("r1", "hi", [1, 2]),)))  # a list, where a tuple belongs
+        inbox.put(am.Deliver((m.Chunk("r1", "hi", [1, 2]),)))  # a list, where a tuple belongs
     assert inbox.depth == 0
     inbox.close()
 
 
 async def test_handed_over_messages_not_taken_are_forgotten_with_their_inbox() -> None:
     inbox = Inbox("forgotten")
-    inbox.put(m.Outbound(b"c", (b"frame",)))
+    inbox.put(am.Outbound(b"c", (b"frame",)))
     assert base._handed[inbox.address]
     inbox.close()
     assert inbox.address not in base._handed

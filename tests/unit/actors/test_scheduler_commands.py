@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from sluice.actors import scheduler_commands as commands
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig, TenantConfig
+from sluice.actors.scheduler.latency import LatencyLog
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
 from sluice.ipc import messages as m
+from sluice.ipc.codec import Codec
 from sluice.ipc.vocabulary import FinishReason
 
 WORKER = m.WorkerStatus("ready", 2, 1234)
@@ -93,12 +95,32 @@ def test_status_report_counts_requests_and_reports_a_broken_invariant() -> None:
     assert broken.state == "serving" and "owned by no live request" in broken.invariant_errors[0]
 
 
-def test_console_detail_lists_requests_with_plain_values() -> None:
-    core = _core()
-    _running(core, "a")
-    detail = commands.console_detail(core, latency={"ttft": {}}, worker=WORKER, draining=False)
-    [request] = detail["requests"]
-    assert request["id"] == "a" and request["state"] == "decoding" and request["blocks"] == 2
-    assert detail["worker"] == {"state": "ready", "restarts": 2, "pid": 1234, "failure": ""}
-    assert detail["latency"] == {"ttft": {}} and detail["draining"] is False
-    assert detail["kv"]["total_blocks"] == 32 and "default" in detail["tenants"]
+def test_console_detail_is_typed_and_crosses_the_control_codec_unchanged() -> None:
+    # a weight and a budget as a config file may write them: whole numbers where the record
+    # says float must still decode on the console's side
+    core = _core(token_budget=64, tenants={"chat": TenantConfig(weight=2, max_running=4)})
+    _running(core, "a", "b")
+    core.pause("b")
+    core.add_request(Request("c", [1, 2, 3], SamplingParams(max_tokens=2), tenant="chat"))
+    core.abort("a", FinishReason.CANCELLED)
+    latency = commands.latency_summary({"ttft": {"p50": 0.04, "p95": 0.05, "p99": 0.06},
+                                        "itl": {"p50": 0.01, "p95": 0.02, "p99": 0.03},
+                                        "tokens_per_second": 120.0, "output_tokens": 9})
+    detail = commands.console_detail(core, latency=latency)
+    assert [(r.request_id, r.tenant, r.state, r.blocks, r.paused) for r in detail.requests] == [
+        ("b", "default", "paused", 2, True), ("c", "chat", "waiting", 0, False)]
+    assert detail.queues == {"waiting": 1, "prefilling": 0, "decoding": 0, "paused": 1,
+                             "preempted": 0}
+    assert detail.ended == {"cancelled": 1} and detail.policy == "fair" and detail.step == 1
+    assert detail.last_step == m.PlanComposition(2, 12, 0, 12.0, 64)
+    assert detail.kv.block_size == 4 and detail.kv.high_watermark == 0.95
+    chat = detail.tenants["chat"]
+    assert (chat.weight, chat.limits.max_running, chat.configured) == (2, 4, True)
+    assert chat.queues == {"waiting": 1} and detail.tenants["default"].totals.prefill_tokens == 12
+    assert detail.latency.ttft.p99 == 0.06 and detail.latency.output_tokens == 9
+    assert commands.latency_summary(LatencyLog().summary(0.0)) == m.LatencySummary()
+
+    snapshot = m.ControlSnapshot(7, commands.status_report(core, worker=WORKER, counters={},
+                                                           draining=False), detail)
+    codec = Codec(m.CONTROL_REPLIES)
+    assert codec.decode(codec.encode(snapshot)) == snapshot

@@ -8,6 +8,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
+from sluice.actors import messages as am
 from sluice.actors.base import Inbox
 from sluice.actors.stream import Stream, StreamConfig
 from sluice.ipc import messages as m
@@ -31,7 +32,7 @@ def sent_to_client(gateway: Inbox) -> list:
     """Decoded client-bound messages, heartbeats left out."""
     out = []
     for item in drain(gateway):
-        if isinstance(item, m.Outbound):
+        if isinstance(item, am.Outbound):
             out.extend(msg for f in item.frames for msg in client_codec.decode_batch(f))
     return [msg for msg in out if not isinstance(msg, m.Heartbeat)]
 
@@ -55,7 +56,7 @@ class Harness:
         return encode.request_id
 
     async def deliver(self, *items) -> None:
-        await self.tell(m.Deliver(tuple(items)))
+        await self.tell(am.Deliver(tuple(items)))
 
 
 def chunk(text: str, token: int, rid: str = "r") -> m.Chunk:
@@ -83,9 +84,9 @@ async def test_high_watermark_pauses_and_low_watermark_resumes(autojump_clock, n
     await h.deliver(*(chunk("t", i) for i in range(3)))
     assert drain(h.tokenizer) == []  # at the watermark, not past it
     await h.deliver(chunk("t", 3))
-    assert drain(h.tokenizer) == [m.PauseDecoding(rid)]
+    assert drain(h.tokenizer) == [am.PauseDecoding(rid)]
     await h.tell(m.Credit("r", 1))  # the whole buffer leaves as one chunk
-    assert drain(h.tokenizer) == [m.ResumeDecoding(rid)]
+    assert drain(h.tokenizer) == [am.ResumeDecoding(rid)]
 
 
 async def test_paused_past_pause_timeout_is_released_with_timeout(autojump_clock, nursery) -> None:
@@ -93,11 +94,11 @@ async def test_paused_past_pause_timeout_is_released_with_timeout(autojump_clock
     await h.start(nursery)
     rid = await h.generate(credits=0)
     await h.deliver(*(chunk("t", i) for i in range(5)))
-    assert drain(h.tokenizer) == [m.PauseDecoding(rid)]
+    assert drain(h.tokenizer) == [am.PauseDecoding(rid)]
     for _ in range(4):  # keep the connection alive: it is slow, not gone
         await trio.sleep(1)
         await h.tell(m.Heartbeat())
-    assert drain(h.tokenizer) == [m.Release((rid,), m.FinishReason.TIMEOUT)]
+    assert drain(h.tokenizer) == [am.Release((rid,), m.FinishReason.TIMEOUT)]
     await h.deliver(m.Finished("r", m.FinishReason.TIMEOUT))
     [finished] = sent_to_client(h.gateway)  # buffered chunks are dropped, not sent
     assert finished.reason is m.FinishReason.TIMEOUT
@@ -110,8 +111,8 @@ async def test_silent_client_is_gone_and_everything_released(autojump_clock, nur
     second = await h.generate("b")
     await trio.sleep(CONFIG.heartbeat_timeout + 1)
     released = drain(h.tokenizer)
-    assert released == [m.Release((first, second), m.FinishReason.CANCELLED)]
-    assert m.StreamClosed(b"conn") in drain(h.gateway)
+    assert released == [am.Release((first, second), m.FinishReason.CANCELLED)]
+    assert am.StreamClosed(b"conn") in drain(h.gateway)
 
 
 async def test_cancel_releases_and_drops_the_buffer(autojump_clock, nursery) -> None:
@@ -120,7 +121,7 @@ async def test_cancel_releases_and_drops_the_buffer(autojump_clock, nursery) -> 
     rid = await h.generate(credits=0)
     await h.deliver(chunk("a", 1))
     await h.tell(m.Cancel("r"))
-    assert drain(h.tokenizer) == [m.Release((rid,), m.FinishReason.CANCELLED)]
+    assert drain(h.tokenizer) == [am.Release((rid,), m.FinishReason.CANCELLED)]
     await h.deliver(m.Finished("r", m.FinishReason.CANCELLED))
     [finished] = sent_to_client(h.gateway)
     assert finished.reason is m.FinishReason.CANCELLED
@@ -142,5 +143,5 @@ async def test_generate_and_cancel_leave_in_order_on_one_route(autojump_clock, n
     h.stream.inbox.put(m.Cancel("r"))
     await trio.testing.wait_all_tasks_blocked()
     encode, release = drain(h.tokenizer)
-    assert isinstance(encode, m.Encode)
-    assert release == m.Release((encode.request_id,), m.FinishReason.CANCELLED)
+    assert isinstance(encode, am.Encode)
+    assert release == am.Release((encode.request_id,), m.FinishReason.CANCELLED)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -15,6 +18,24 @@ client_codec = Codec(m.CLIENT_MESSAGES)
 
 def frame(tag: int, body: object, major: int = m.PROTOCOL_MAJOR) -> bytes:
     return msgpack.packb([major, 0, tag, body], use_bin_type=True)
+
+
+STATUS = m.StatusReport("serving", m.WorkerStatus("ready", 1), m.KVStatus(10, 8, 2, 0),
+                        m.RequestCounts(1, 2, 0), m.Counters(5, 4, 1, 0, 0))
+# every field of the console's detail away from its default
+FULL_DETAIL = m.ConsoleDetail(
+    step=41, policy="fair", queues={"waiting": 1, "decoding": 2, "paused": 1},
+    kv=m.KVDetail(0.25, 0.9, 0.8, False, 16, 0.5),
+    last_step=m.PlanComposition(3, 40, 2, 42.0, 512.0),
+    rejected=2, ended={"stop": 3, "cancelled": 1},
+    tenants={"chat": m.TenantRow(2.0, m.TenantLimits(4, 8, 2048, 256), True,
+                                 {"decoding": 2}, 1, 2, 7.5,
+                                 m.TenantTotals(60.0, 40, 20, 5, 8, 1, 3.25, 3, 1))},
+    other_tenants=m.TenantTotals(finished=9, prefill_tokens=90),
+    requests=(m.RequestRow("0a0b/1", "chat", "paused", 1.5, 100, 7, 3, True),),
+    latency=m.LatencySummary(m.Percentiles(0.04, 0.05, 0.06), m.Percentiles(0.01, 0.02, 0.03),
+                             120.0, 9),
+)
 
 
 def decode_error(raw: bytes, codec: Codec = client_codec) -> CodecError:
@@ -48,6 +69,8 @@ def decode_error(raw: bytes, codec: Codec = client_codec) -> CodecError:
             m.Counters(5, 4, 1, 0, 0),
             invariant_errors=("leak",),
         ),
+        m.ControlSnapshot(3, STATUS, FULL_DETAIL),
+        m.ControlSnapshot(4, STATUS),
     ],
 )
 def test_every_message_round_trips(msg: object) -> None:
@@ -78,6 +101,38 @@ def test_missing_unknown_and_mistyped_fields_are_named() -> None:
     )
 
 
+def test_the_console_detail_is_checked_down_to_map_entries() -> None:
+    control = Codec(m.CONTROL_REPLIES)
+
+    def snapshot_error(**detail: object) -> CodecError:
+        body = control.envelope(m.ControlSnapshot(1, STATUS, FULL_DETAIL))[3]
+        body["detail"].update(detail)
+        return decode_error(frame(m.ControlSnapshot.TAG, body), control)
+
+    assert snapshot_error(queues={"waiting": 1.5}).field == "detail.queues['waiting']"
+    assert snapshot_error(queues=[1]).field == "detail.queues"
+    bad_row = {"chat": {"totals": {"finished": "3"}}}
+    assert snapshot_error(tenants=bad_row).field == "detail.tenants['chat'].totals.finished"
+    assert snapshot_error(requests=[{"request_id": "x"}]).field.startswith("detail.requests[0].")
+    assert snapshot_error(kv={"block_size": 1.0}).field == "detail.kv.block_size"
+
+
+@dataclass(frozen=True)
+class Loose:
+    anything: Any
+
+
+@dataclass(frozen=True)
+class HoldsLoose:
+    TAG: ClassVar[int] = 99
+    inner: Loose
+
+
+def test_a_field_the_codec_cannot_check_is_refused_when_the_codec_is_built() -> None:
+    with pytest.raises(TypeError, match="unsupported field type"):
+        Codec([HoldsLoose])
+
+
 def test_wrong_major_version_is_its_own_code() -> None:
     err = decode_error(frame(3, {"request_id": "a"}, major=m.PROTOCOL_MAJOR + 1))
     assert err.code is m.RejectCode.PROTOCOL_VERSION
@@ -99,6 +154,12 @@ def test_oversize_frame_is_refused_before_parsing() -> None:
 def test_json_shape_uses_names_for_enums() -> None:
     plain = to_plain(m.Finished("a", m.FinishReason.STOP))
     assert plain["reason"] == "stop" and plain["usage"]["prompt_tokens"] == 0
+
+
+def test_json_shape_walks_into_maps() -> None:
+    plain = to_plain(FULL_DETAIL)
+    assert plain["tenants"]["chat"]["limits"]["max_running"] == 4
+    assert plain["requests"][0]["paused"] is True and plain["queues"]["decoding"] == 2
 
 
 msgpack_values = st.recursive(

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from sluice.actors import messages as am
 from sluice.actors import reports
 from sluice.actors.base import CODEC, Inbox
 from sluice.actors.scheduler.plan import (
@@ -23,6 +24,14 @@ SAMPLING = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, seed=3, stop=(
                           stop_token_ids=(2,))
 CHUNK = m.Chunk("r1", "héllo", (5, 6), (-0.5, -1.25))
 FINISHED = m.Finished("r1", m.FinishReason.LENGTH, m.Usage(3, 2, 1, 0), m.Timings(0.1, 0.2, 0.3))
+SNAPSHOT = m.ControlSnapshot(
+    2, m.StatusReport("serving", m.WorkerStatus("ready"), m.KVStatus(8, 6, 2, 0),
+                      m.RequestCounts(0, 1, 0), m.Counters(1, 0, 0, 0, 0)),
+    m.ConsoleDetail(queues={"decoding": 1},
+                    tenants={"a": m.TenantRow(2.0, m.TenantLimits(max_running=1), True,
+                                              {"decoding": 1}, 0, 1, 0.5, m.TenantTotals(3.0))},
+                    requests=(m.RequestRow("ab/1", "a", "decoding", 0.25, 3, 1, 1, False),),
+                    latency=m.LatencySummary(m.Percentiles(0.1, 0.2, 0.3))))
 
 
 def roundtrip(msg):
@@ -30,27 +39,30 @@ def roundtrip(msg):
 
 
 @pytest.mark.parametrize("msg", [
-    m.Encode(m.Generate("r1", messages=(m.ChatMessage("user", "hi"),),
+    am.Encode(m.Generate("r1", messages=(m.ChatMessage("user", "hi"),),
                         sampling=m.SamplingParams(max_tokens=4, stop=("x",))),
              "abcd/r1", b"\x00\xffconn", "inproc://stream", 12.5),
-    m.Admit("abcd/r1", b"conn", (1, 2, 3), SAMPLING, 2, "tenant-a", 1.5),
-    m.Release(("a/1", "a/2"), m.FinishReason.TIMEOUT),
-    m.AdmissionRefused("a/1", m.RejectCode.TOO_LONG, "prompt too long", "prompt"),
-    m.Deliver((m.Accepted("r1", 7), CHUNK, CHUNK, FINISHED)),
-    m.Deliver((CHUNK, CHUNK, CHUNK)),
-    m.Outbound(b"conn", (b"frame-1", b"frame-2")),
-    m.Ask(m.StatusQuery(check_invariants=True), "inproc://control", 4),
-    m.Operate(m.CancelCommand("a/1"), "inproc://control", 5, frozenset({b"a", b"b"})),
-    m.Operate("release_all"),
-    m.Reply(5, m.CommandReply("cancel", True, "cancelled a/1")),
-    m.StepOutputs(tuple(RequestOutput(f"a/{i}", [i], finished=i == 2, finish_reason=m.FinishReason.LENGTH
-                                      if i == 2 else None, prompt_tokens=4) for i in range(3))),
-    m.StepOutputs((RequestOutput("a/1", [7], logprobs=[SampledToken(7, -0.25, [(7, -0.25)])]),)),
+    am.Admit("abcd/r1", b"conn", (1, 2, 3), SAMPLING, 2, "tenant-a", 1.5),
+    am.Release(("a/1", "a/2"), m.FinishReason.TIMEOUT),
+    am.AdmissionRefused("a/1", m.RejectCode.TOO_LONG, "prompt too long", "prompt"),
+    am.Deliver((m.Accepted("r1", 7), CHUNK, CHUNK, FINISHED)),
+    am.Deliver((CHUNK, CHUNK, CHUNK)),
+    am.Outbound(b"conn", (b"frame-1", b"frame-2")),
+    am.Ask(m.StatusQuery(check_invariants=True), "inproc://control", 4),
+    am.Operate(m.CancelCommand("a/1"), "inproc://control", 5, frozenset({b"a", b"b"})),
+    am.Operate(am.ReleaseAll()),
+    am.Reply(5, m.CommandReply("cancel", True, "cancelled a/1")),
+    am.StepOutputs(tuple(RequestOutput(f"a/{i}", [i], finished=i == 2,
+                                       finish_reason=m.FinishReason.LENGTH if i == 2 else None,
+                                       prompt_tokens=4) for i in range(3))),
+    am.StepOutputs((RequestOutput("a/1", [7], logprobs=[SampledToken(7, -0.25, [(7, -0.25)])]),)),
     reports.Backlog("tokenizer", 48),
-    m.Reply(3, reports.WorkerState("ready", reports.WorkerFacts(64, 16, 2048, 49152, "float32"))),
-    m.Reply(3, reports.WorkerState("failed", None, "worker exited with 1")),
+    am.Reply(3, reports.WorkerState("ready", reports.WorkerFacts(64, 16, 2048, 49152, "float32"))),
+    am.Reply(3, reports.WorkerState("failed", None, "worker exited with 1")),
     reports.Histogram("itl", "a", (0.001, 0.01), (1, 0, 2), 0.125),
-    m.WorkerLost("worker exited with -9"),
+    am.Reply(6, reports.MetricsSnapshot(
+        SNAPSHOT, (reports.Histogram("ttft", "", (1.0,), (0, 1), 2.0),))),
+    am.WorkerLost("worker exited with -9"),
 ])  # fmt: skip
 def test_messages_come_back_equal(msg) -> None:
     back = roundtrip(msg)
@@ -59,11 +71,11 @@ def test_messages_come_back_equal(msg) -> None:
 
 
 def test_enums_lists_tuples_and_sets_keep_their_types() -> None:
-    release = roundtrip(m.Release(("a/1",), m.FinishReason.CANCELLED))
+    release = roundtrip(am.Release(("a/1",), m.FinishReason.CANCELLED))
     assert release.reason is m.FinishReason.CANCELLED and isinstance(release.request_ids, tuple)
-    outputs = roundtrip(m.StepOutputs((RequestOutput("a/1", [4, 5]),))).outputs
+    outputs = roundtrip(am.StepOutputs((RequestOutput("a/1", [4, 5]),))).outputs
     assert type(outputs[0].new_token_ids) is list
-    operate = roundtrip(m.Operate("x", "", 0, frozenset({b"c"})))
+    operate = roundtrip(am.Operate("x", "", 0, frozenset({b"c"})))
     assert type(operate.connections) is frozenset
 
 
@@ -85,7 +97,7 @@ def test_a_step_plan_and_its_result_cross_whole() -> None:
 def test_the_receiver_gets_a_copy() -> None:
     tokens = [1, 2]
     out = RequestOutput("a/1", tokens)
-    frame = CODEC.encode(m.StepOutputs((out,)))
+    frame = CODEC.encode(am.StepOutputs((out,)))
     tokens.append(3)  # the sender keeps using its object
     assert CODEC.decode(frame).outputs[0].new_token_ids == [1, 2]
 
@@ -94,8 +106,8 @@ def test_objects_that_are_not_data_are_refused_at_the_sender() -> None:
     inbox = Inbox("not-data")
     try:
         with pytest.raises(TypeError, match="Inbox cannot travel between actors"):
-            CODEC.encode(m.Ask(m.StatusQuery(), inbox, 1))
+            CODEC.encode(am.Ask(m.StatusQuery(), inbox, 1))
         with pytest.raises(TypeError, match="object cannot travel"):
-            CODEC.encode(m.Reply(1, object()))
+            CODEC.encode(am.Reply(1, object()))
     finally:
         inbox.close()

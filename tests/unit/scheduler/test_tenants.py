@@ -7,10 +7,12 @@ import pytest
 from scheduler_helpers import req, step
 
 from sluice.actors.scheduler import Request
+from sluice.actors.scheduler_commands import console_detail
 from sluice.actors.scheduler.config import TenantConfig
 from sluice.actors.scheduler.errors import InvalidRequest, Quota
 from sluice.actors.scheduler.plan import SamplingParams
 from sluice.daemon.metrics import OTHER_TENANTS, bounded_tenants
+from sluice.ipc.messages import LatencySummary
 from sluice.ipc.vocabulary import FinishReason, RejectCode
 
 
@@ -173,9 +175,9 @@ def test_many_one_off_tenants_leave_no_scheduling_state_but_keep_their_usage(mak
     assert stats["other_tenants"]["finished"] == len(names)
     assert stats["other_tenants"]["prefill_tokens"] == 3 * len(names)
     # and so do the tenant label sets the metrics make of them
-    series = bounded_tenants(stats)
+    series = bounded_tenants(console_detail(sched, latency=LatencySummary()))
     assert set(series) == {"default", OTHER_TENANTS}
-    assert series[OTHER_TENANTS]["finished"] == len(names)
+    assert series[OTHER_TENANTS].totals.finished == len(names)
 
 
 def test_a_returning_tenant_starts_at_the_current_minimum(make_sched):

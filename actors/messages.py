@@ -1,0 +1,281 @@
+"""Messages between the actors of one daemon: never on the wire, never in the client package.
+
+They travel over `inproc://` sockets with `sluice.ipc.internal`'s codec (or are handed over
+as they are, see `sluice.actors.base`), and carry the wire's own values where they pass one
+along (a client's `Generate`, the `Chunk`s and `Finished` for a connection, a status report).
+An actor is named in a message by the address of its inbox, never by an object. The step
+plan and result the Scheduler and the worker exchange are the scheduler core's types
+(`sluice.actors.scheduler.plan`); the records actors report their own state in are in
+`sluice.actors.reports`.
+
+What does not belong here: the client and control protocols (`sluice.ipc.messages`), which
+the client library and the console speak without importing anything of the daemon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sluice.actors.reports import (
+    Endpoint, EndpointQuery, MetricsQuery, MetricsSnapshot, WorkerQuery, WorkerState,
+)  # fmt: skip
+from sluice.actors.scheduler.plan import RequestOutput
+from sluice.ipc.messages import (
+    Accepted, CancelCommand, Chunk, CommandReply, ControlSnapshot, DrainCommand, Error,
+    Finished, GatewayStats, Generate, InjectFault, ReconcileCommand, RecoverCommand, Rejected,
+    ResumeCommand, StatusQuery, StatusReport, Subscribe, TenantSet,
+)  # fmt: skip
+from sluice.ipc.vocabulary import FinishReason, RejectCode, SamplingParams
+
+@dataclass(frozen=True)
+class Admit:
+    """Tokenizer -> Scheduler: a validated, tokenized request."""
+
+    request_id: str  # daemon-wide id
+    connection: bytes
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams  # the client's, as it arrived
+    priority: int
+    tenant: str
+    arrival: float  # monotonic
+
+
+@dataclass(frozen=True)
+class Release:
+    """Stream -> Tokenizer -> Scheduler: end these requests now and free their KV.
+
+    The Tokenizer ends those it still holds and forwards the rest behind their `Admit`."""
+
+    request_ids: tuple[str, ...]
+    reason: FinishReason
+
+
+@dataclass(frozen=True)
+class PauseDecoding:
+    """Stream -> Tokenizer -> Scheduler: stop decoding the request (its client is slow); its
+    KV stays."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ResumeDecoding:
+    """Stream -> Tokenizer -> Scheduler: decode a paused request again (not `ResumeCommand`,
+    the operator's end of a drain)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ClientGone:
+    connection: bytes
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """Executor -> Scheduler: the worker died; every in-flight step is void."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """Executor -> Scheduler: a (re)started worker passed its health check (also the answer
+    to `AskWorker` while the worker serves)."""
+
+    restarts: int
+    pid: int = 0
+    dtype: str = ""  # what the worker resolved --dtype to (and --kv-dtype below)
+    kv_dtype: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """Executor -> Scheduler: no worker could be started in `attempts` tries in a row.
+
+    A state, not a crash: the executor keeps retrying on a long backoff (or at once on
+    `Recover`) and says `WorkerReady` when one passes its health check; until then requests
+    get an error saying the worker failed. Also the answer to `AskWorker` in that state."""
+
+    reason: str
+    attempts: int
+
+
+@dataclass(frozen=True)
+class AskWorker:
+    """Scheduler -> Executor: say the worker's state again (a restarted scheduler forgot it).
+
+    Answered with `WorkerReady` or `WorkerFailed`; while a worker is starting there is no
+    answer yet: the one that comes when it is decided serves."""
+
+
+@dataclass(frozen=True)
+class ReleaseAll:
+    """Daemon or Control -> Scheduler, inside an `Operate`: a drain's deadline passed; end
+    every request still live."""
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Daemon or Control -> Gateway and Scheduler: admit nothing new (the deadline, if any,
+    is kept by whoever sent this)."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    report: StatusReport
+
+
+@dataclass(frozen=True)
+class Recover:
+    """Daemon -> Executor: restart the worker now (replace a serving one; retry a failed one
+    without waiting for its backoff)."""
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Asked of the Tokenizer inside an `Ask`: how many requests it holds (tokenizing,
+    waiting for the scheduler's decision, or streaming); the answer is `Held`."""
+
+
+@dataclass(frozen=True)
+class Held:
+    requests: int
+
+
+@dataclass(frozen=True)
+class Encode:
+    """Stream -> Tokenizer: a client's Generate, to validate, tokenize and admit."""
+
+    generate: Generate
+    request_id: str  # daemon-wide id ("<connection hex>/<client request id>")
+    connection: bytes
+    reply_to: str  # the address of the Stream actor's inbox
+    arrival: float  # monotonic
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """Scheduler -> Tokenizer: the core accepted the request."""
+
+    request_id: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class AdmissionRefused:
+    """Scheduler -> Tokenizer: the core refused the request (too long, quota, overloaded...);
+    the Tokenizer tells the client with a `Rejected`."""
+
+    request_id: str
+    code: RejectCode
+    message: str
+    field: str = ""
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """Scheduler -> Tokenizer: what one iteration produced."""
+
+    outputs: tuple[RequestOutput, ...]
+
+
+@dataclass(frozen=True)
+class StopMatched:
+    """Tokenizer -> Scheduler: a stop string matched; end the request with STOP (its client
+    has its `Finished` already)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Tokenizer -> Stream: wire messages for one connection, in order."""
+
+    messages: tuple[ToClient, ...]
+
+
+@dataclass(frozen=True)
+class Outbound:
+    """Stream -> Gateway: encoded messages for one client, sent as one multipart message."""
+
+    connection: bytes
+    frames: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class StreamClosed:
+    """Stream -> Gateway: the connection is gone and its stream has released everything.
+
+    Gateway -> Stream, in answer: the gateway routes nothing more to it; the stream ends once
+    it has refused whatever was routed to it before this."""
+
+    connection: bytes
+
+
+@dataclass(frozen=True)
+class FailAll:
+    """Gateway -> Stream: end every request of the connection with an error, then close."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Ask:
+    """Control -> Scheduler: a status query; the answer comes back as `Reply(token, Snapshot)`
+    (a `ControlSnapshot` for `Subscribe`). Control -> Gateway: `ListConnections`."""
+
+    query: Question
+    reply_to: str  # the asker's inbox address
+    token: int  # echoed in the Reply, so concurrent questions get their own answers
+
+
+@dataclass(frozen=True)
+class ListConnections:
+    """Control -> Gateway, inside an `Ask`: which client connections are live; the answer is
+    `Connections`."""
+
+
+@dataclass(frozen=True)
+class Connections:
+    ids: frozenset[bytes]
+    streams: tuple[str, ...] = ()  # their Stream actors' inboxes, for drain to ask (`Holding`)
+    stats: GatewayStats = GatewayStats()  # the gateway's counters, for status reports
+
+
+@dataclass(frozen=True)
+class EndDrain:
+    """Control -> Gateway and Scheduler: admit again (what `ResumeCommand` asks for)."""
+
+
+@dataclass(frozen=True)
+class Operate:
+    """Control -> Scheduler: an operator command; a `Reply(token, CommandReply)` goes to
+    `reply_to` (nowhere when it is empty).
+
+    `connections` is the set of live client connections (for reconcile)."""
+
+    command: Command
+    reply_to: str = ""
+    token: int = 0
+    connections: frozenset[bytes] = frozenset()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to an `Ask` or `Operate`, matched to it by `token`."""
+
+    token: int
+    message: Answer
+
+
+# what a Stream passes on to its client
+ToClient = Accepted | Rejected | Chunk | Finished | Error
+# what an `Ask` asks, and what an `Operate` commands
+Question = (StatusQuery | Subscribe | ListConnections | Holding | WorkerQuery | EndpointQuery
+            | MetricsQuery)
+Command = (DrainCommand | ResumeCommand | ReconcileCommand | RecoverCommand | CancelCommand
+           | TenantSet | InjectFault | ReleaseAll)
+# what a `Reply` answers with
+Answer = (StatusReport | ControlSnapshot | Snapshot | CommandReply | Connections | Held
+          | WorkerState | Endpoint | MetricsSnapshot)
