@@ -29,22 +29,15 @@ import trio
 import zmq
 
 from sluice.actors import messages as am
-from sluice.actors import reports
 from sluice.actors.executor import worker
-from sluice.actors.scheduler import plan
+from sluice.actors.registry import CODEC
 from sluice.ipc import messages as m
-from sluice.ipc import vocabulary
-from sluice.ipc.internal import InternalCodec, dataclasses_of
 from sluice.ipc.sockets import Socket, context
 
 log = structlog.get_logger("sluice.actors")
 
 Handler = Callable[[Any], Awaitable[None]]
 
-# everything actors may send each other: the messages, the step plan/result types, the
-# worker's frames and the records actors report their own state in
-CODEC = InternalCodec([*dataclasses_of(vocabulary), *dataclasses_of(m), *dataclasses_of(am),
-                       *dataclasses_of(plan), *dataclasses_of(worker), *dataclasses_of(reports)])
 # Handed over, not encoded, between the actors of one process: a step's plan and result in
 # the worker's encoding (the executor relays their bytes), its outputs (built for the
 # tokenizer and given away), the chunks rendered from them, the client frames encoded from

@@ -8,10 +8,10 @@ number that matters is how many passes a token goes through, `passes per token` 
 
 What is counted:
 
-- the internal codec (`sluice.actors.base.CODEC`): a top-level encode or decode of a message
+- the internal codec (`sluice.actors.registry.CODEC`): a top-level encode or decode of a message
   that carries sampled tokens (a step result, step outputs, chunks, a client frame);
-- the worker protocol's `encode_*`/`decode_*` (`sluice.actors.executor.worker`), wherever
-  they are called (the null executor stands in for the worker process);
+- the worker protocol's `encode_*`/`decode_*` (`sluice.actors.executor.worker`, which pack
+  with the same codec and are counted once, as theirs), wherever they are called (the null executor stands in for the worker process);
 - the client codec's `envelope` of a `Chunk` (the frame the client receives);
 - besides, every msgpack call the daemon makes, by the function that made it, as a check
   that nothing encodes outside the codecs above.
@@ -36,7 +36,7 @@ from collections import Counter
 import msgpack
 import trio
 
-from sluice.actors import base
+from sluice.actors import registry
 from sluice.actors.executor import worker
 from sluice.actors.scheduler.scheduler import Scheduler
 from sluice.daemon.logs import configure_logging
@@ -95,17 +95,20 @@ def _nested() -> bool:
 
 
 def _instrument() -> None:
-    codec = base.CODEC
+    codec = registry.CODEC
     encode, decode = codec.encode, codec.decode
 
+    inside_worker_protocol = [0]  # the worker protocol packs with this codec: counted there
+
     def counted_encode(msg):
-        if codec._depth == 0:  # nested calls pack the fields of one message
+        if codec._depth == 0 and not inside_worker_protocol[0]:  # nested: one message's fields
             _hop(type(msg).__name__, "encode", "internal codec")
         return encode(msg)
 
     def counted_decode(frame):
         msg = decode(frame)
-        _hop(type(msg).__name__, "decode", "internal codec")  # nested decodes give tuples
+        if not inside_worker_protocol[0]:
+            _hop(type(msg).__name__, "decode", "internal codec")  # nested decodes give tuples
         return msg
 
     codec.encode, codec.decode = counted_encode, counted_decode
@@ -125,7 +128,11 @@ def _instrument() -> None:
 
         def counted(*args, _original=original, _kind=kind, _op=name.split("_")[0], **kwargs):
             _hop(_kind, _op, "worker protocol")
-            return _original(*args, **kwargs)
+            inside_worker_protocol[0] += 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                inside_worker_protocol[0] -= 1
 
         for module in list(sys.modules.values()):
             if module is not None and getattr(module, name, None) is original:
@@ -151,7 +158,7 @@ def _instrument() -> None:
             return super().pack(obj)
 
     msgpack.packb, msgpack.unpackb, msgpack.Packer = counted_packb, counted_unpackb, CountedPacker
-    base.CODEC._packers.clear()
+    registry.CODEC._packers.clear()
 
     update = Scheduler.update
 

@@ -29,15 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import structlog
 import trio
 import zmq
 
 from sluice.actors import messages as am
 from sluice.actors.base import Actor, Handler, Outbox, Outboxes
-from sluice.actors.reports import WorkerFacts, WorkerQuery, WorkerState
+from sluice.actors.executor import worker
 from sluice.actors.executor.worker import RESULT, PlanFrame, ResultFrame
+from sluice.actors.reports import WorkerFacts, WorkerQuery, WorkerState
 from sluice.ipc.sockets import Socket
 
 log = structlog.get_logger("sluice.executor")
@@ -251,28 +251,27 @@ class Executor(Actor):
 
     async def _handshake(self) -> None:
         hello = await self._receive()
-        if hello.get("op") != "hello":
-            raise WorkerStartError(f"expected hello, got {hello.get('op')!r}")
-        facts = WorkerFacts(hello["num_blocks"], hello["block_size"], hello["max_model_len"],
-                            hello["vocab_size"], hello.get("dtype", ""), hello.get("kv_dtype", ""))
+        if not isinstance(hello, worker.Hello):
+            raise WorkerStartError(f"expected a Hello, got {_said(hello)}")
+        facts = hello.facts
         if self.facts is not None and facts != self.facts:
             raise WorkerStartError(f"worker came back different: {facts} != {self.facts}")
-        await self.sock.send(msgpack.packb({"op": "health"}))
+        await self.sock.send(worker.encode(worker.HealthCheck()))
         answer = await self._receive()
-        if answer.get("op") != "health":
-            raise WorkerStartError(f"health check failed: {answer.get('message', answer)}")
+        if not isinstance(answer, worker.HealthAnswer):
+            raise WorkerStartError(f"health check failed: {_said(answer)}")
         if self.known_answer is None:
-            self.known_answer = answer["token"]
-        elif answer["token"] != self.known_answer:
+            self.known_answer = answer.token
+        elif answer.token != self.known_answer:
             raise WorkerStartError(
-                f"health check answered {answer['token']}, expected {self.known_answer}"
+                f"health check answered {answer.token}, expected {self.known_answer}"
             )
         self.facts = facts
         log.info("worker ready", pid=self.pid, dtype=facts.dtype, kv_dtype=facts.kv_dtype,
                  kv_blocks=facts.num_blocks)
 
-    async def _receive(self) -> dict[str, Any]:
-        return msgpack.unpackb(await self.sock.recv(), strict_map_key=False)
+    async def _receive(self) -> object:
+        return worker.decode(await self.sock.recv())
 
     async def _receive_results(self, scope: trio.CancelScope) -> None:
         while True:
@@ -281,8 +280,7 @@ class Executor(Actor):
                 self.step_started = None
                 self.scheduler.put(ResultFrame(frames[1]))
             else:
-                reply = msgpack.unpackb(frames[0], strict_map_key=False)
-                log.error("worker reported a failure", message=reply.get("message"))
+                log.error("worker reported a failure", message=_said(worker.decode(frames[0])))
                 self.kill_worker()
                 return
 
@@ -315,3 +313,8 @@ class Executor(Actor):
 
     async def on_crash(self, exc: BaseException) -> None:
         self.scheduler.put(am.WorkerLost(f"executor crashed: {type(exc).__name__}"))
+
+
+def _said(msg: object) -> str:
+    """A worker's unexpected message, for a log line or an error."""
+    return msg.message if isinstance(msg, worker.WorkerError) else f"a {type(msg).__name__}"

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import msgpack
-
 from sluice.actors import messages as am
 from sluice.actors.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
@@ -61,7 +59,7 @@ class NullExecutor(Actor):
         self.scheduler.put(am.WorkerReady(self.restarts))
 
     async def on_plan(self, frame: PlanFrame) -> None:
-        plan = decode_plan(msgpack.unpackb(frame.frame, strict_map_key=False))
+        plan = decode_plan(frame.frame)
         cycle = self.token_cycle
         sampled = {
             seq.request_id: SampledToken(cycle[seq.num_generated % len(cycle)])

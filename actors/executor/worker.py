@@ -2,29 +2,31 @@
 
 Started by the Executor actor as `python -m sluice.actors.executor.worker --endpoint ...`.
 It connects, builds a `ModelRunner`, says `hello` with the facts the scheduler needs, then
-serves requests one at a time: `step` (a StepPlan -> a StepResult), `health` (a known-answer
-forward on a fresh pool), `stop`. It dies with its parent, whatever it is doing then: a
+serves requests one at a time: a `StepPlan` (-> a `StepResult`) or a `HealthCheck` (a
+known-answer forward on a fresh pool). It dies with its parent, whatever it is doing then: a
 worker left behind by a killed daemon would hold its memory (and a GPU) for nobody.
 
-The plan/result encoding used on this socket lives here too, so both ends share it. A plan
-is encoded once, by the Scheduler actor, and a result decoded once, by the Scheduler actor:
-the Executor relays both as bytes (`PlanFrame`, `ResultFrame`), which is why a result comes
-as two frames, `result` and its body, so the Executor can tell it from an error unread.
+The protocol on this socket lives here too, so both ends share it: typed messages (`Hello`,
+`HealthCheck`, `HealthAnswer`, `WorkerError`, and the core's `StepPlan` and `StepResult`)
+packed by the daemon's one registry (`actors.registry.CODEC`). A plan is encoded once, by
+the Scheduler actor, and a result decoded once, by the Scheduler actor: the Executor relays
+both as bytes (`PlanFrame`, `ResultFrame`), which is why a result comes as two frames,
+`result` and its body, so the Executor can tell it from an error unread.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
-import msgpack
-
+from sluice.actors.reports import WorkerFacts
 from sluice.actors.scheduler.plan import SamplingParams, ScheduledSeq, StepPlan, StepResult
+from sluice.ipc.internal import InternalCodec
 
 # the fixed forward of the health check: a short greedy prompt in block 0 of a fresh pool
 HEALTH_PROMPT = (1, 504, 3458, 282, 4649, 314, 2, 28, 19)
@@ -52,20 +54,67 @@ class ResultFrame:
     frame: bytes
 
 
+@dataclass(frozen=True)
+class Hello:
+    """Worker -> Executor, once the model and its pool are loaded."""
+
+    pid: int
+    facts: WorkerFacts
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    """Executor -> worker: run the known-answer forward on a fresh pool."""
+
+
+@dataclass(frozen=True)
+class HealthAnswer:
+    token: int  # what the known-answer forward sampled
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """Worker -> Executor, instead of an answer: what failed (the Executor restarts it)."""
+
+    message: str
+
+
+@functools.cache
+def _codec() -> InternalCodec:
+    from sluice.actors.registry import CODEC  # the registry lists this module's types
+
+    return CODEC
+
+
+def encode(msg: Hello | HealthCheck | HealthAnswer | WorkerError) -> bytes:
+    return _codec().encode(msg)
+
+
+def decode(frame: bytes) -> Hello | HealthCheck | HealthAnswer | WorkerError | StepPlan:
+    return _codec().decode(frame)
+
+
 def encode_plan(plan: StepPlan) -> bytes:
-    return msgpack.packb({"op": "step", "plan": plan.to_plain()})
+    return _codec().encode(plan)
 
 
-def decode_plan(msg: dict[str, Any]) -> StepPlan:
-    return StepPlan.from_plain(msg["plan"])
+def decode_plan(frame: bytes) -> StepPlan:
+    plan = _codec().decode(frame)
+    if not isinstance(plan, StepPlan):
+        raise TypeError(f"expected a StepPlan, got a {type(plan).__name__}")
+    return plan
 
 
 def encode_result(result: StepResult) -> bytes:
-    return msgpack.packb(result.to_plain())
+    return _codec().encode(result)
 
 
 def decode_result(frame: bytes) -> StepResult:
-    return StepResult.from_plain(msgpack.unpackb(frame, strict_map_key=False))
+    result = _codec().decode(frame)
+    if not isinstance(result, StepResult):
+        raise TypeError(f"expected a StepResult, got a {type(result).__name__}")
+    return result
 
 
 def health_plan(vocab_size: int) -> StepPlan:
@@ -153,20 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device,
                          num_blocks=args.num_blocks, block_size=args.block_size,
                          max_model_len=args.max_model_len)
-    sock.send(msgpack.packb({
-        "op": "hello", "pid": os.getpid(), "num_blocks": runner.num_blocks,
-        "block_size": runner.block_size, "max_model_len": runner.max_model_len,
-        "vocab_size": runner.config.vocab_size, "dtype": dtype_name(runner.model.dtype),
-        "kv_dtype": dtype_name(runner.model.kv_dtype),
-    }))
+    sock.send(encode(Hello(os.getpid(), WorkerFacts(
+        runner.num_blocks, runner.block_size, runner.max_model_len, runner.config.vocab_size,
+        dtype_name(runner.model.dtype), dtype_name(runner.model.kv_dtype)))))
     while True:
-        msg = msgpack.unpackb(sock.recv(), strict_map_key=False)
-        op = msg.get("op")
-        if op == "stop":
-            return 0
+        msg = decode(sock.recv())
         try:
-            if op == "step":
-                plan = decode_plan(msg)
+            if isinstance(msg, StepPlan):
+                plan = msg
                 poison = args.debug_fail_token
                 if poison is not None and any(poison in s.token_ids for s in plan.seqs):
                     raise RuntimeError(f"test fault: a step computes token {poison}")
@@ -176,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                         time.sleep(60)
                 sock.send_multipart([RESULT, encode_result(runner.execute(plan))])
                 continue
-            elif op == "health":
+            elif isinstance(msg, HealthCheck):
                 started = time.perf_counter()
                 runner.reset_kv()
                 plan = health_plan(runner.config.vocab_size)
@@ -185,13 +228,13 @@ def main(argv: list[str] | None = None) -> int:
                 result = runner.execute(plan)
                 runner.reset_kv()
                 token = result.sampled[HEALTH_REQUEST].token_id + args.debug_health_offset
-                reply = msgpack.packb({"op": "health", "token": token % runner.config.vocab_size,
-                                       "seconds": time.perf_counter() - started})
+                reply = HealthAnswer(token % runner.config.vocab_size,
+                                     time.perf_counter() - started)
             else:
-                reply = msgpack.packb({"op": "error", "message": f"unknown op {op!r}"})
+                reply = WorkerError(f"a worker cannot handle a {type(msg).__name__}")
         except Exception as exc:  # report, let the executor decide to restart us
-            reply = msgpack.packb({"op": "error", "message": f"{type(exc).__name__}: {exc}"})
-        sock.send(reply)
+            reply = WorkerError(f"{type(exc).__name__}: {exc}")
+        sock.send(encode(reply))
 
 
 if __name__ == "__main__":

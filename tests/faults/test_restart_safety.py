@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import trio
 
-import msgpack
-
 from sluice.actors import messages as am
 from sluice.actors.base import Inbox
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
@@ -57,7 +55,7 @@ def _actor() -> tuple[SchedulerActor, Inbox, Inbox]:
 
 def _plans(inbox: Inbox) -> list[StepPlan]:
     """The plans the executor got, read as the worker reads them."""
-    return [decode_plan(msgpack.unpackb(p.frame)) for p in taken_from(inbox)
+    return [decode_plan(p.frame) for p in taken_from(inbox)
             if isinstance(p, PlanFrame)]
 
 

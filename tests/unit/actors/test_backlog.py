@@ -4,8 +4,6 @@ limit, stepping again on the report that there is room."""
 
 from __future__ import annotations
 
-import msgpack
-
 from sluice.actors import messages as am
 from sluice.actors.base import Inbox
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
@@ -47,7 +45,7 @@ async def test_the_scheduler_waits_for_room_downstream_then_steps_again() -> Non
         [first] = [msg for msg in taken_from(executor) if isinstance(msg, PlanFrame)]
         await actor.on_backlog(Backlog("tokenizer", 80))
         await actor.on_backlog(Backlog("gateway", 40))  # 120 together: over the limit
-        step_id = decode_plan(msgpack.unpackb(first.frame)).step_id
+        step_id = decode_plan(first.frame).step_id
         await actor.on_result_frame(ResultFrame(encode_result(
             StepResult(step_id, {"r": SampledToken(9)}))))
         assert not taken_from(executor), "no step while downstream is behind"

@@ -9,7 +9,9 @@ import pytest
 
 from sluice.actors import messages as am
 from sluice.actors import reports
-from sluice.actors.base import CODEC, Inbox
+from sluice.actors.base import Inbox
+from sluice.actors.executor import worker
+from sluice.actors.registry import CODEC
 from sluice.actors.scheduler.plan import (
     RequestOutput,
     SampledToken,
@@ -63,6 +65,11 @@ def roundtrip(msg):
     am.Reply(6, reports.MetricsSnapshot(
         SNAPSHOT, (reports.Histogram("ttft", "", (1.0,), (0, 1), 2.0),))),
     am.WorkerLost("worker exited with -9"),
+    # the worker protocol, in the same registry
+    worker.Hello(4321, reports.WorkerFacts(64, 16, 2048, 49152, "bfloat16", "float32")),
+    worker.HealthCheck(),
+    worker.HealthAnswer(42, 0.5),
+    worker.WorkerError("RuntimeError: boom"),
 ])  # fmt: skip
 def test_messages_come_back_equal(msg) -> None:
     back = roundtrip(msg)
@@ -111,3 +118,23 @@ def test_objects_that_are_not_data_are_refused_at_the_sender() -> None:
             CODEC.encode(am.Reply(1, object()))
     finally:
         inbox.close()
+
+
+def test_the_worker_protocol_round_trips_plans_and_results() -> None:
+    seq = ScheduledSeq("a/1", [1, 2, 3], 0, [0], True, SAMPLING)
+    plan = StepPlan(7, [seq])
+    assert worker.decode_plan(worker.encode_plan(plan)) == plan
+    result = StepResult(7, {"a/1": SampledToken(5, -0.5, [(5, -0.5)])}, 0.01)
+    assert worker.decode_result(worker.encode_result(result)) == result
+    with pytest.raises(TypeError, match="StepPlan"):
+        worker.decode_plan(worker.encode(worker.HealthCheck()))
+
+
+def test_the_worker_side_of_the_registry_loads_no_trio() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, sluice.actors.executor.worker as w; w.encode(w.HealthCheck()); "
+            "print(sorted({'trio', 'zmq', 'torch'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
