@@ -238,4 +238,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the module's own copy, not this `__main__` one: the registry knows the protocol's
+    # classes as `sluice.actors.executor.worker`'s
+    from sluice.actors.executor.worker import main as worker_main
+
+    sys.exit(worker_main())
