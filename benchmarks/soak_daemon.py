@@ -282,8 +282,10 @@ class StatusWatch:
     with_invariant_errors: int = 0
     samples: list[str] = field(default_factory=list)  # the first few, cut to 300 characters
     peak_connections: int = 0
-    # [seconds into the soak, daemon RSS, worker RSS] once a minute: memory that settles
-    # after the first minutes of hostile load is warm-up, memory that keeps growing a leak
+    # [seconds into the soak, daemon RSS, worker RSS, worker pid, worker state] once a
+    # minute: memory that settles after the first minutes of hostile load is warm-up, memory
+    # that keeps growing a leak. A worker is killed at intervals: its samples are compared
+    # within one process, and only while it serves (one still loading is not smaller by leak)
     memory: list[list] = field(default_factory=list)
 
     async def watch(self, control: str, stop: trio.Event, interval: float = 2.5,
@@ -294,16 +296,17 @@ class StatusWatch:
                 await stop.wait()
             if stop.is_set():
                 return
-            if daemon is not None and trio.current_time() >= next_sample:
-                now = memory(daemon)
-                self.memory.append([round(trio.current_time() - started),
-                                    now["daemon_rss_mib"], now["worker_rss_mib"]])
-                next_sample += 60
             try:
                 report = await fetch_status(control, check_invariants=True, timeout=3.0)
             except SluiceError:
                 self.unanswered += 1
                 continue
+            if daemon is not None and trio.current_time() >= next_sample:
+                now = memory(daemon)
+                self.memory.append([round(trio.current_time() - started),
+                                    now["daemon_rss_mib"], now["worker_rss_mib"],
+                                    report.worker.pid, report.worker.state])
+                next_sample += 60
             self.checks += 1
             self.peak_connections = max(self.peak_connections, report.connections)
             if report.invariant_errors:
