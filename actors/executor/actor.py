@@ -63,7 +63,10 @@ class WorkerSpec:
     num_blocks: int | None = None  # None sizes the pool from memory
     block_size: int = 16
     max_model_len: int | None = None
-    threads: int | None = None  # torch threads in the worker
+    threads: int | None = None  # torch threads in the worker; unset with `cpus`: one per CPU
+    # CPUs the worker runs on (its matmul threads included); None: wherever the daemon may.
+    # Pinned, the worker's threads and the daemon's event loop stop preempting each other
+    cpus: tuple[int, ...] | None = None
     runtime_dir: str | None = None  # where the worker's ipc socket lives
     startup_timeout: float = 300.0  # seconds for weights + pool + health check
     step_timeout: float = 300.0  # a step running longer means a hung worker
@@ -79,6 +82,20 @@ class WorkerSpec:
     debug_wrong_health_on_restart: bool = False
     # a test fault: the worker hangs in every step that computes this token id
     debug_hang_token: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.cpus is None:
+            return
+        cpus = self.cpus
+        valid = isinstance(cpus, (list, tuple)) and cpus and all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus)
+        if not valid:
+            raise ValueError(f"worker.cpus: must be a non-empty list of CPU numbers, got {cpus!r}")
+        present = os.cpu_count() or 1
+        if missing := sorted(c for c in cpus if c >= present):
+            raise ValueError(f"worker.cpus: no CPU {', '.join(map(str, missing))} on this "
+                             f"machine (it has 0 to {present - 1})")
+        object.__setattr__(self, "cpus", tuple(sorted(set(cpus))))
 
 
 class Executor(Actor):
@@ -226,6 +243,8 @@ class Executor(Actor):
             cmd += ["--max-model-len", str(spec.max_model_len)]
         if spec.threads is not None:
             cmd += ["--threads", str(spec.threads)]
+        if spec.cpus is not None:
+            cmd += ["--cpus", ",".join(map(str, spec.cpus))]
         if spec.debug_fail_token is not None:
             cmd += ["--debug-fail-token", str(spec.debug_fail_token)]
         if spec.debug_fail_start_if is not None:

@@ -137,6 +137,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--cpus", default=None, metavar="N,N,...",
+                        help="run on these CPUs only; --threads defaults to their number")
     parser.add_argument("--debug-fail-token", type=int, default=None,
                         help="a test fault: fail every step that computes this token id")
     parser.add_argument("--debug-fail-start-if", default=None, metavar="PATH",
@@ -182,6 +184,11 @@ def die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    threads = args.threads
+    if args.cpus:
+        cpus = {int(c) for c in args.cpus.split(",")}
+        os.sched_setaffinity(0, cpus)  # before any thread starts: each inherits it
+        threads = threads or len(cpus)
     die_with_parent()
     if args.debug_fail_start_if and os.path.exists(args.debug_fail_start_if):
         print("sluice-worker: test fault: refusing to start", file=sys.stderr)
@@ -193,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     from sluice.actors.executor.dtypes import dtype_name
     from sluice.actors.executor.runner import ModelRunner
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if threads:
+        torch.set_num_threads(threads)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
