@@ -229,6 +229,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="well-behaved clients (default 4)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="per well-behaved request (default 32 null, 8 model)")
+    parser.add_argument("--no-pin-worker", dest="pin_worker", action="store_false",
+                        help="let the model worker share every CPU with the daemon and the "
+                             "clients (default: the worker gets a CPU of its own)")
     parser.add_argument("--keep-log", type=Path, default=None,
                         help="copy the daemon's log (JSON lines) to this file")
     parser.add_argument("--baseline-seconds", type=float, default=None,
@@ -266,12 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="sluice-soak-") as folder:
         progress(f"starting sluiced --executor {args.executor}")
-        daemon = sd.start_daemon(args.executor, Path(folder))
+        layout = sd.cpu_layout(args.executor, args.pin_worker)
+        daemon = sd.start_daemon(args.executor, Path(folder), layout)
         try:
             report = trio.run(soak, args, daemon)
         finally:
             stop = sd.stop_daemon(daemon)
         report["stop"] = stop
+        report["cpus"] = layout
         report["log"] = log_findings(daemon.log_path)
         if args.keep_log is not None:
             shutil.copyfile(daemon.log_path, args.keep_log)

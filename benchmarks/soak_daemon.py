@@ -88,13 +88,32 @@ class DaemonProcess:
         return self.process.poll() is None
 
 
-def start_daemon(executor: str, folder: Path, *, timeout: float = 300.0) -> DaemonProcess:
-    """Run `sluiced serve` on loopback with the soak config; return once it said ready."""
+def cpu_layout(executor: str, pin_worker: bool) -> dict:
+    """Where each process runs. Pinned, the model worker gets the last CPU this process may
+    use, and the daemon and the clients share the rest: the worker's core stands in for an
+    accelerator, which a deployment's event loop and its clients (on other machines) do not
+    share. Without pinning (or with one CPU, or the null executor) all share all."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if executor != "model" or not pin_worker or len(cpus) < 2:
+        return {"worker": None, "daemon_and_clients": cpus}
+    return {"worker": cpus[-1:], "daemon_and_clients": cpus[:-1]}
+
+
+def start_daemon(executor: str, folder: Path, layout: dict, *,
+                 timeout: float = 300.0) -> DaemonProcess:
+    """Run `sluiced serve` on loopback with the soak config; return once it said ready.
+    Call it before any thread of this process starts: the daemon's CPUs are set here for
+    this whole process, which the daemon inherits (the worker's come from the config)."""
+    os.sched_setaffinity(0, layout["daemon_and_clients"])
     config = folder / "sluiced.toml"
     text = CONFIG.format(max_frame_bytes=MAX_FRAME_BYTES, max_connections=MAX_CONNECTIONS,
                          hostile_tenant=HOSTILE_TENANT,
                          hostile_running=HOSTILE_RUNNING[executor])
-    config.write_text(text + (MODEL_CONFIG if executor == "model" else NULL_CONFIG))
+    if executor == "model":
+        text += MODEL_CONFIG + (f"cpus = {layout['worker']}\n" if layout["worker"] else "")
+    else:
+        text += NULL_CONFIG
+    config.write_text(text)
     log_path = folder / "sluiced.log"
     log_file = open(log_path, "w")
     process = subprocess.Popen(

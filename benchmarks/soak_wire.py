@@ -10,6 +10,7 @@ as any client must) and checks that each accepted request got exactly one `Finis
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ class Tally:
     rejected: Counter = field(default_factory=Counter)  # "code/field" -> n
     finished: Counter = field(default_factory=Counter)  # reason -> n
     missing_finished: int = 0  # accepted, waited for, no Finished came
+    # the first few of those, to find in the daemon's log: connection, request id, when
+    missing_examples: list = field(default_factory=list)
     duplicate_finished: int = 0  # more than one Finished for one request
     outcomes: Counter = field(default_factory=Counter)  # mode-specific observations
 
@@ -159,6 +162,7 @@ async def read_until_ended(client: RawClient, rids: set[str], timeout: float,
                 tally.finished[msg.reason.name.lower()] += 1
                 open_rids.discard(rid)
 
+    read_from = time.time()  # wall clock, as the daemon's log has it
     deadline = trio.current_time() + timeout
     next_beat = trio.current_time()
     while open_rids and trio.current_time() < deadline:
@@ -170,7 +174,12 @@ async def read_until_ended(client: RawClient, rids: set[str], timeout: float,
     while trio.current_time() < deadline:
         take(await client.read(max(0.0, deadline - trio.current_time())))
     tally.accepted += len(accepted)
-    tally.missing_finished += sum(1 for rid in accepted if finishes[rid] == 0)
+    missing = [rid for rid in accepted if finishes[rid] == 0]
+    tally.missing_finished += len(missing)
+    for rid in missing[:max(0, 8 - len(tally.missing_examples))]:
+        tally.missing_examples.append({"connection": client.identity.hex(), "request_id": rid,
+                                       "read_from_unix": round(read_from, 2),
+                                       "gave_up_unix": round(time.time(), 2)})
     tally.duplicate_finished += sum(1 for n in finishes.values() if n > 1)
     tally.outcomes["finished_without_accepted"] += sum(1 for r in finishes if r not in accepted)
     tally.outcomes["no answer"] += sum(1 for r in open_rids if r not in accepted)
