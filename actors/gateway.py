@@ -232,16 +232,22 @@ class Gateway(Actor):
         actor sends it only when the daemon allows fault injection)."""
         command = msg.command
         if isinstance(command, m.InjectFault) and command.kind == "vanish_stream":
-            reply = self._vanish_newest()
+            reply = self._vanish(command.target)
         else:
             reply = m.CommandReply("unknown", False, f"the gateway cannot do {command!r}")
         self.askers.put(msg.reply_to, am.Reply(msg.token, reply))
 
-    def _vanish_newest(self) -> m.CommandReply:
-        """Debug fault: drop the newest connection's stream without a word to anyone."""
+    def _vanish(self, target: str) -> m.CommandReply:
+        """Debug fault: drop a connection's stream (the one named, else the newest) without a
+        word to anyone."""
         if not self.streams:
             return m.CommandReply("fault", True, "no stream to drop")
         connection = next(reversed(self.streams))
+        if target:
+            named = [c for c in self.streams if c.hex() == target]
+            if not named:
+                return m.CommandReply("fault", False, f"no stream of connection {target[:64]}")
+            connection = named[0]
         stream = self.streams.pop(connection)
         self.owners.pop(connection, None)
         self.supervisor.stop_child(stream)

@@ -30,7 +30,8 @@ PROTOCOL_MAJOR = 1
 # 1.1: `Generate.sampling` may ask for `logprobs`
 # 1.2: `ControlSnapshot.detail` is a typed `ConsoleDetail` instead of free-form maps; a 1.1
 #      console cannot read it (and a 1.2 console refuses a 1.1 daemon's detail)
-PROTOCOL_MINOR = 2
+# 1.3: `InjectFault.target` names the connection a `vanish_stream` fault drops
+PROTOCOL_MINOR = 3
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 
@@ -423,6 +424,8 @@ class InjectFault:
 
     TAG: ClassVar[int] = 42
     kind: str
+    # vanish_stream: the connection (its routing id in hex) whose stream to drop; "": the newest
+    target: str = ""
 
 
 @dataclass(frozen=True)
