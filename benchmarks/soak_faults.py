@@ -18,7 +18,7 @@ from sluice.ipc.control import fetch_status, send_command
 from sluice.ipc.errors import SluiceError
 
 from soak_daemon import DaemonProcess, worker_pid
-from soak_wire import OWNERS, RawClient, Tally, connections_held, generate
+from soak_wire import OWNERS, RawClient, Tally, generate
 
 CHAOS_KINDS = ("kill_worker", "worker_down", "vanish_stream", "crash_scheduler")
 
@@ -39,21 +39,16 @@ async def _wait_worker_ready(control: str, old_pid: int, timeout: float) -> floa
 
 
 async def _vanish_a_decoy(daemon: DaemonProcess, decoy_tokens: int) -> dict:
-    """Drop the newest connection's stream: a decoy opened just before, with one long
-    request, so that the fault hits it and not a client whose failures are counted."""
-    with connections_held():
-        await trio.sleep(0.3)  # connections opened just before send their first frame
-        return await _vanish(daemon, decoy_tokens)
-
-
-async def _vanish(daemon: DaemonProcess, decoy_tokens: int) -> dict:
-    decoy = RawClient(daemon.listen, Tally("vanish_decoy"))
+    """Drop the stream of a decoy, a connection opened for it with one long request, so
+    that the fault hits no client whose failures are counted. While hoarders hold every
+    connection the daemon allows, the decoy is refused: it tries again for up to 30 s."""
+    decoy = await _accepted_decoy(daemon.listen, decoy_tokens, 30.0)
+    if decoy is None:
+        return {"skipped": "no decoy connection was accepted within 30 s"}
     try:
-        decoy.send(generate("decoy", decoy_tokens, credits=1))
-        with trio.move_on_after(5.0):  # until it is accepted, saying it is still here
-            while not any(isinstance(msg, m.Accepted) for msg in await decoy.read(0.5)):
-                decoy.send(m.Heartbeat())
-        gone = await send_command(daemon.control, m.InjectFault("vanish_stream"), timeout=10.0)
+        gone = await send_command(
+            daemon.control, m.InjectFault("vanish_stream", target=decoy.identity.hex()),
+            timeout=10.0)
         victim = gone.message.split()[-1]
         # what an operator does after a stream is lost: reconcile frees its requests
         fixed = await send_command(daemon.control, m.ReconcileCommand(), timeout=10.0)
@@ -61,6 +56,25 @@ async def _vanish(daemon: DaemonProcess, decoy_tokens: int) -> dict:
         decoy.close()
     return {"reply": gone.message, "victim": OWNERS.get(victim, "not a hostile connection"),
             "reconcile_findings": list(fixed.findings)}
+
+
+async def _accepted_decoy(listen: str, tokens: int, timeout: float) -> RawClient | None:
+    """A connection whose long request was accepted (it has a stream), or None."""
+    with trio.move_on_after(timeout):
+        while True:
+            decoy = RawClient(listen, Tally("vanish_decoy"))
+            decoy.send(generate("decoy", tokens, credits=1))
+            with trio.move_on_after(3.0):
+                while True:  # until it is accepted or refused, saying it is still here
+                    answer = await decoy.read(0.5)
+                    if any(isinstance(msg, m.Accepted) for msg in answer):
+                        return decoy
+                    if any(isinstance(msg, m.Rejected) for msg in answer):
+                        break
+                    decoy.send(m.Heartbeat())
+            decoy.close()
+            await trio.sleep(0.5)
+    return None
 
 
 async def inject(kind: str, daemon: DaemonProcess, recovery_timeout: float,

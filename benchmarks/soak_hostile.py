@@ -21,8 +21,8 @@ import trio
 
 from sluice.ipc import messages as m
 
-from soak_wire import (HEARTBEAT_SECONDS, RawClient, Tally, client_codec, connect,
-                       generate, read_until_ended)
+from soak_wire import (HEARTBEAT_SECONDS, RawClient, Tally, client_codec, generate,
+                       read_until_ended)
 
 @dataclass
 class Plan:
@@ -53,7 +53,7 @@ async def non_reader(listen: str, plan: Plan, tally: Tally, stop: trio.Event) ->
     """Ask for long generations with all the credits allowed, keep sending heartbeats (so
     the daemon cannot call it silent), and never read a byte."""
     while not stop.is_set():
-        client = await connect(listen, tally, rcvhwm=16, rcvbuf=4096)
+        client = RawClient(listen, tally, rcvhwm=16, rcvbuf=4096)
         try:
             for i in range(4):
                 client.send(generate(f"nr{i}", plan.max_tokens, credits=4096))
@@ -70,7 +70,7 @@ async def flood(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None
     """Send `Describe` as fast as the socket takes it, never reading the answers."""
     frame = client_codec.encode(m.Describe())
     while not stop.is_set():
-        client = await connect(listen, tally, rcvhwm=16, rcvbuf=4096)
+        client = RawClient(listen, tally, rcvhwm=16, rcvbuf=4096)
         try:
             sent = 0
             with trio.move_on_after(plan.hold_seconds):
@@ -91,7 +91,7 @@ async def oversize(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> N
     frame = client_codec.encode(
         generate("big", 4, prompt="x" * (4 * plan.max_frame_bytes)))
     while not stop.is_set():
-        client = await connect(listen, tally)
+        client = RawClient(listen, tally)
         try:
             client.send_frame(frame)
             answer = await client.read(3.0)
@@ -111,7 +111,7 @@ async def disconnect(listen: str, plan: Plan, tally: Tally, stop: trio.Event) ->
     """Start a long generation, take its first chunk, and vanish without a word."""
     n = 0
     while not stop.is_set():
-        client = await connect(listen, tally)
+        client = RawClient(listen, tally)
         try:
             n += 1
             client.send(generate(f"dc{n}", plan.max_tokens, credits=4))
@@ -135,7 +135,7 @@ async def cancel_storm(listen: str, plan: Plan, tally: Tally, stop: trio.Event) 
     existed; then wait for every accepted request's one `Finished`."""
     storm = 0
     while not stop.is_set():
-        client = await connect(listen, tally)
+        client = RawClient(listen, tally)
         try:
             storm += 1
             rids = {f"s{storm}-{i}" for i in range(plan.storm_requests)}
@@ -156,7 +156,7 @@ async def churn(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None
     n = 0
     while not stop.is_set():
         n += 1
-        client = await connect(listen, tally)
+        client = RawClient(listen, tally)
         try:
             if n % 2:
                 client.send(m.Describe())
@@ -177,7 +177,7 @@ async def hoard(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None
         clients: list[RawClient] = []
         try:
             for _ in range(plan.hoard_connections):
-                clients.append(await connect(listen, tally))
+                clients.append(RawClient(listen, tally))
                 clients[-1].send(generate("h", 1))
             async with trio.open_nursery() as nursery:
                 for client in clients:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import trio
@@ -107,29 +106,6 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
-
-
-_gate: trio.Event | None = None  # set while new hostile connections are held back
-
-
-async def connect(listen: str, tally: Tally, **options: int) -> RawClient:
-    """A new hostile connection, once no fault holds new connections back."""
-    while _gate is not None:
-        await _gate.wait()
-    return RawClient(listen, tally, **options)
-
-
-@contextmanager
-def connections_held():
-    """Hold new hostile connections back: the `vanish_stream` fault drops the newest
-    connection's stream, and it must be the fault's own decoy."""
-    global _gate
-    gate = _gate = trio.Event()
-    try:
-        yield
-    finally:
-        _gate = None
-        gate.set()
 
 
 def generate(rid: str, max_tokens: int, *, credits: int = 16, prompt: str = "") -> m.Generate:
