@@ -58,7 +58,13 @@ max_running = {hostile_running}
 max_queued = 64
 """
 
+# chunked prefill bounds a step by its token budget: on one CPU core a step of the default
+# 512 tokens takes ~1.5 s, longer than a whole well-behaved request, so a burst of prompts
+# (the hoarders send 64 at once) would stall every decode for seconds; 128 tokens is ~0.4 s
 MODEL_CONFIG = """
+[scheduler]
+token_budget = 128
+
 [worker]
 num_blocks = 256
 threads = 1
