@@ -2,14 +2,19 @@
 through the client library, then keep serving in the foreground until Ctrl-C.
 
 A thin wrapper so that the quickstart shows the daemon working end to end; the daemon
-itself is plain `sluiced serve`.
+itself is plain `sluiced serve`. Its log (stderr) is relayed line by line, and held back
+while the answer is printed, so that no log line lands in the middle of the answer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from typing import IO
 
 QUESTION = "What is the capital of France?"
 
@@ -17,12 +22,14 @@ QUESTION = "What is the capital of France?"
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     daemon = subprocess.Popen([sys.executable, "-m", "sluice.daemon.main", "serve", *args],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = _LogRelay(daemon.stderr)
     try:
         address = _wait_ready(daemon)
         if address is None:
             return daemon.wait() or 1
-        _ask(address)
+        with log.held():
+            _ask(address)
         print(f"\nthe daemon keeps serving on {address}; chat with it from another terminal:\n"
               f"  .venv/bin/sluice chat --connect {address}\n(Ctrl-C stops it)", flush=True)
         for line in daemon.stdout:  # keep relaying the daemon's own output
@@ -35,6 +42,39 @@ def main(argv: list[str] | None = None) -> int:
         if daemon.poll() is None:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(timeout=60)
+        log.thread.join(timeout=5)  # the daemon's last lines (its drain) still come through
+
+
+class _LogRelay:
+    """Copies the daemon's log lines to our stderr, except while `held()`: then they wait."""
+
+    def __init__(self, source: IO[str]):
+        self.lock = threading.Lock()
+        self.waiting: list[str] | None = None  # a list while held
+        self.thread = threading.Thread(target=self._copy, args=(source,), daemon=True)
+        self.thread.start()
+
+    def _copy(self, source: IO[str]) -> None:
+        for line in source:
+            with self.lock:
+                if self.waiting is not None:
+                    self.waiting.append(line)
+                    continue
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self.lock:
+            self.waiting = []
+        try:
+            yield
+        finally:
+            with self.lock:
+                sys.stdout.flush()
+                sys.stderr.writelines(self.waiting or [])
+                sys.stderr.flush()
+                self.waiting = None
 
 
 def _wait_ready(daemon: subprocess.Popen) -> str | None:

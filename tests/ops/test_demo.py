@@ -1,0 +1,61 @@
+"""`make run`, the quickstart's first command: the daemon answers the demo's question on the
+embedded model, the answer stands on its own lines (the daemon's log lines, which share the
+terminal, never land inside it), the daemon keeps serving, and Ctrl-C stops it cleanly."""
+
+from __future__ import annotations
+
+import json
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sluice.daemon.demo import QUESTION
+
+from daemon_support import assert_drained_and_consistent_sync
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _lines_until(process: subprocess.Popen, marker: str, timeout: float) -> list[str]:
+    """Lines of the demo's merged stdout and stderr, up to the one containing `marker`."""
+    selector = selectors.DefaultSelector()
+    selector.register(process.stdout, selectors.EVENT_READ)
+    lines: list[str] = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not selector.select(max(0.0, end - time.monotonic())):
+            break
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if marker in line:
+            return lines
+    raise AssertionError(f"no line with {marker!r} within {timeout}s; got {lines[-20:]}")
+
+
+def test_make_run_answers_and_keeps_serving_until_ctrl_c(tmp_path) -> None:
+    control = f"ipc://{tmp_path}/control.sock"
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "sluice.daemon.demo", "--listen", "tcp://127.0.0.1:0",
+         "--control", control],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = _lines_until(demo, "keeps serving", 240)
+        asked = lines.index(f"> {QUESTION}")
+        answer = lines[asked + 1]
+        assert "Paris" in answer
+        assert "request ended" not in answer and "{" not in answer, answer
+        logged = [line for line in lines[asked:] if "request ended" in line]
+        assert logged and all(json.loads(line)["event"] == "request ended" for line in logged)
+        assert_drained_and_consistent_sync(control)
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=60) == 0
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
