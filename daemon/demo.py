@@ -9,6 +9,7 @@ while the answer is printed, so that no log line lands in the middle of the answ
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -21,8 +22,10 @@ QUESTION = "What is the capital of France?"
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    # the log reaches the terminal through our pipe: keep it readable there
+    env = {**os.environ, "SLUICE_LOG_FORMAT": "console"} if sys.stderr.isatty() else None
     daemon = subprocess.Popen([sys.executable, "-m", "sluice.daemon.main", "serve", *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     log = _LogRelay(daemon.stderr)
     try:
         address = _wait_ready(daemon)

@@ -9,6 +9,7 @@ cannot leak a prompt into the journal.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -36,9 +37,12 @@ class _StderrLogger:
 
 
 def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
-    """Console logs on a TTY, JSON otherwise; `level` is a logging level name."""
+    """Console logs on a TTY, JSON otherwise, unless `SLUICE_LOG_FORMAT` says `console` or
+    `json` (a wrapper that relays the log to a terminal through a pipe says `console`);
+    `level` is a logging level name."""
     if json is None:
-        json = not sys.stderr.isatty()
+        chosen = os.environ.get("SLUICE_LOG_FORMAT", "")
+        json = chosen == "json" or (chosen != "console" and not sys.stderr.isatty())
     processors: list[Any] = [structlog.contextvars.merge_contextvars,
                              structlog.processors.add_log_level,
                              structlog.processors.TimeStamper("iso"), drop_text]

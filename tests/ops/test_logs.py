@@ -55,3 +55,23 @@ def test_fields_named_for_text_are_redacted(capsys) -> None:
         structlog.configure(**saved)
     line = capsys.readouterr().err.strip()
     assert MARKER not in line and json.loads(line)["tokens"] == 3
+
+
+@pytest.mark.parametrize("chosen, is_json", [("console", False), ("json", True), ("", True)])
+def test_the_log_format_can_be_chosen_whatever_stderr_is(capsys, monkeypatch, chosen,
+                                                          is_json) -> None:
+    """Under pytest stderr is no TTY, so JSON is the default; `SLUICE_LOG_FORMAT` overrides."""
+    monkeypatch.setenv("SLUICE_LOG_FORMAT", chosen)
+    saved = structlog.get_config()
+    try:
+        configure_logging("info")
+        structlog.get_logger("t").info("hello", tokens=3)
+    finally:
+        structlog.configure(**saved)
+    line = capsys.readouterr().err.strip()
+    assert "hello" in line
+    try:
+        parsed = json.loads(line)
+    except ValueError:
+        parsed = None
+    assert (parsed is not None and parsed["tokens"] == 3) is is_json
