@@ -207,7 +207,8 @@ class Inbox(Outbox):
             self._in_a_row += 1
             if self._in_a_row >= _FAIR_SHARE:
                 self._in_a_row = 0
-                await trio.lowlevel.checkpoint()
+                # taken already: a cancel here (an actor stopped to restart) must not lose it
+                await trio.lowlevel.cancel_shielded_checkpoint()
             return msg
 
 

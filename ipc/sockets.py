@@ -16,6 +16,10 @@ without ever yielding to trio: one client that does not read would freeze the da
 `ROUTER_MANDATORY`, `Again` means exactly "this one peer cannot take more", so it raises
 `PeerFull` and the caller deals with that peer (the gateway forgets it). Sends on other socket
 types wait for room, yielding on every retry.
+
+Cancellation (a timeout) never loses a message: an operation checks for it before it
+touches the socket, and once a message is taken or sent it yields shielded and returns. A
+receive that raises `Cancelled` took nothing; a send that raises sent nothing.
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ class Socket:
     # -- I/O --------------------------------------------------------------------------------
 
     async def recv_multipart(self) -> list[bytes]:
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             try:
                 frames = self.zmq.recv_multipart(zmq.NOBLOCK)
@@ -114,7 +119,7 @@ class Socket:
                 await self.wait_for(zmq.POLLIN)
                 continue
             self._wake_waiter()
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.cancel_shielded_checkpoint()  # taken: it must be returned
             return frames
 
     async def recv(self) -> bytes:
@@ -122,6 +127,7 @@ class Socket:
 
     async def recv_with_user(self) -> tuple[list[bytes], str | None]:
         """A message and the user id ZAP attached to it (None without authentication)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             try:
                 parts = self.zmq.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -129,12 +135,13 @@ class Socket:
                 await self.wait_for(zmq.POLLIN)
                 continue
             self._wake_waiter()
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.cancel_shielded_checkpoint()
             return [bytes(p.buffer) for p in parts], parts[-1].get("User-Id")
 
     async def send_multipart(self, frames: list[bytes]) -> None:
         """Send one message; on a ROUTER `frames[0]` is the peer, and a full peer raises
         `PeerFull` at once (never waits), a vanished one `PeerGone`."""
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             try:
                 self.zmq.send_multipart(frames, zmq.NOBLOCK)
@@ -149,7 +156,7 @@ class Socket:
                     raise PeerGone(frames[0]) from None
                 raise
             self._wake_waiter()
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.cancel_shielded_checkpoint()  # sent: say so, whatever the timeout
             return
 
     async def send(self, frame: bytes) -> None:

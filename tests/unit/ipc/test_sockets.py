@@ -75,3 +75,38 @@ async def test_closing_wakes_a_blocked_receiver() -> None:
             nursery.start_soon(receive)
             await trio.sleep(0.05)
             sock.close()
+
+
+async def _arrived(sock: Socket) -> None:
+    while not sock.zmq.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("receive", ["recv", "recv_multipart"])
+async def test_a_receive_cut_short_by_a_timeout_loses_no_message(receive: str) -> None:
+    """A timeout that falls due as a message arrives: either the receive returns it, or it
+    raises and the message is still there for the next one, never both lost."""
+    with trio.fail_after(5), Socket(zmq.PAIR) as a, Socket(zmq.PAIR) as b:
+        a.bind(f"inproc://cut-short-{receive}")
+        b.connect(f"inproc://cut-short-{receive}")
+        await b.send(b"one")
+        await _arrived(a)
+        with trio.CancelScope() as scope:
+            scope.cancel()  # the timeout is already due when the message is there
+            await getattr(a, receive)()
+        assert scope.cancelled_caught
+        got = await getattr(a, receive)()
+        assert got in (b"one", [b"one"])
+
+
+async def test_a_send_cut_short_by_a_timeout_is_not_sent() -> None:
+    """A send that raises Cancelled did not send: the caller may send it again."""
+    with trio.fail_after(5), Socket(zmq.PAIR) as a, Socket(zmq.PAIR) as b:
+        a.bind("inproc://send-cut-short")
+        b.connect("inproc://send-cut-short")
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await b.send(b"not sent")
+        assert scope.cancelled_caught
+        await b.send(b"sent")
+        assert await a.recv() == b"sent"
