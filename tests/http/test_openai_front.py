@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import time
 
 import openai
 import pytest
@@ -303,3 +304,36 @@ async def test_a_reader_that_stops_reading_is_paused_then_timed_out(null_daemon)
                        and r.kv.used_blocks == 0, timeout=10)
         snapshot = await send_command(handle.control, m.Subscribe(ttl=1.0))
         assert snapshot.detail.ended.get("timeout") == 1, snapshot.detail.ended
+
+
+async def test_a_request_cancelled_mid_stream_ends_with_an_error_event(null_daemon) -> None:
+    handle = await http_daemon(null_daemon)
+    client = sdk(handle)
+    model = await model_name(client)
+    seen: list = []
+
+    def read_slowly():
+        events = client.completions.create(model=model, prompt="hi", max_tokens=4000,
+                                           stream=True, extra_body={"ignore_eos": True})
+        try:
+            for event in events:
+                seen.append(event)
+                time.sleep(0.01)
+        except openai.APIError as error:
+            return error
+        return None
+
+    async def cancel_it():
+        await wait_for(handle.control, lambda r: r.requests.running + r.requests.paused == 1)
+        snapshot = await send_command(handle.control, m.Subscribe(ttl=1.0))
+        [row] = snapshot.detail.requests
+        reply = await send_command(handle.control, m.CancelCommand(row.request_id))
+        assert reply.ok, reply.message
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_it)
+            ended = await trio.to_thread.run_sync(read_slowly)
+    assert seen and seen[0].choices[0].text  # it was streaming when it was cancelled
+    assert isinstance(ended, openai.APIError), ended
+    assert ended.body["code"] == "cancelled"
