@@ -27,6 +27,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,10 @@ class HttpSettings:
     max_body_bytes: int = 4 * 1024 * 1024  # over it: 413, refused before it is read in full
     read_timeout: float = 30.0  # seconds to receive a request's body: over it, 408
     keep_alive_timeout: float = 5.0  # an idle connection (or one slow to send headers) closes
+    # a connection whose client reads nothing (its window stays shut) this long is dropped by
+    # the kernel (TCP_USER_TIMEOUT); keep it above `[stream] pause_timeout`, which ends the
+    # request first
+    send_timeout: float = 60.0
     retry_after: int = 1  # seconds, in `Retry-After` of 429 and 503
     initial_credits: int = 4  # chunks a request may have in flight before it writes one
     tenants: dict[str, Any] = field(default_factory=dict)  # tenant -> [API keys]
@@ -73,7 +78,7 @@ class HttpSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"http.{name}: must be a positive integer, got {value!r}")
-        for name in ("read_timeout", "keep_alive_timeout"):
+        for name in ("read_timeout", "keep_alive_timeout", "send_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"http.{name}: must be a positive number, got {value!r}")
@@ -114,6 +119,22 @@ class KeyRing:
 
 class _Gone(Exception):
     """The HTTP client disconnected."""
+
+
+class _ServerConfig(HypercornConfig):
+    """hypercorn's settings, and the listening sockets' options."""
+
+    send_timeout: float = 60.0
+
+    def create_sockets(self):
+        sockets = super().create_sockets()
+        for listener in sockets.insecure_sockets:
+            # accepted connections inherit it. hypercorn's writes cannot be cancelled (they are
+            # shielded), so a client that never reads holds its request's task until the
+            # kernel gives up on the connection
+            listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                                int(self.send_timeout * 1000))
+        return sockets
 
 
 class HttpFront(Actor):
@@ -163,7 +184,8 @@ class HttpFront(Actor):
         log.info("http listening", address=self.address)
 
     async def _serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        config = HypercornConfig()
+        config = _ServerConfig()
+        config.send_timeout = self.settings.send_timeout
         config.bind = [self.address or self.settings.listen]
         config.h11_max_incomplete_size = self.settings.max_header_bytes
         config.h2_max_header_list_size = self.settings.max_header_bytes

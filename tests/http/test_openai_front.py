@@ -17,6 +17,7 @@ import openai
 import pytest
 import trio
 
+from sluice.actors import messages as am
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
@@ -292,10 +293,18 @@ async def test_a_client_that_disconnects_cancels_its_request(null_daemon) -> Non
     assert report.requests.running + report.requests.paused == 0
 
 
+async def http_streams(handle) -> int:
+    """Streams the HTTP front holds, asked by message."""
+    daemon = handle.daemon
+    live = await daemon.questions.ask(daemon.http.inbox, lambda address, token: am.Ask(
+        am.ListConnections(), address, token))
+    return len(live.ids)
+
+
 async def test_a_reader_that_stops_reading_is_paused_then_timed_out(null_daemon) -> None:
     handle = await http_daemon(null_daemon, **{
         "stream.pause_timeout": 1.0, "stream.high_watermark": 4, "stream.low_watermark": 1,
-        "null.max_model_len": 16384})
+        "null.max_model_len": 16384, "http.send_timeout": 3.0})
     model = await model_name(sdk(handle))
     with held_stream(handle, model, max_tokens=16000):
         paused = await wait_for(handle.control, lambda r: r.requests.paused == 1, timeout=20)
@@ -304,6 +313,10 @@ async def test_a_reader_that_stops_reading_is_paused_then_timed_out(null_daemon)
                        and r.kv.used_blocks == 0, timeout=10)
         snapshot = await send_command(handle.control, m.Subscribe(ttl=1.0))
         assert snapshot.detail.ended.get("timeout") == 1, snapshot.detail.ended
+        # the connection itself is dropped too, though the client never closes it
+        with trio.fail_after(10):
+            while await http_streams(handle):
+                await trio.sleep(0.1)
 
 
 async def test_a_request_cancelled_mid_stream_ends_with_an_error_event(null_daemon) -> None:
