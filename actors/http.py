@@ -238,6 +238,12 @@ class HttpFront(Actor):
             pass
 
     async def _route(self, scope: dict, receive: Callable, send: Callable) -> None:
+        # hypercorn stops buffering headers past the limit, but a header block that arrived
+        # whole in one read is parsed whatever its size: refused here
+        limit = self.settings.max_header_bytes
+        if sum(len(name) + len(value) + 4 for name, value in scope["headers"]) > limit:
+            raise api.ApiError(431, f"the request's headers exceed http.max_header_bytes = "
+                               f"{limit}", code="headers_too_large")
         method, path = scope["method"], scope["path"]
         routes = {"/health": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST",
                   "/v1/completions": "POST"}

@@ -42,21 +42,31 @@ async def call(fn, *args, **kwargs):
     return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
 
 
-async def raw(handle, method: str, path: str, body=None, headers: dict | None = None,
-              chunked: bool = False) -> tuple[int, dict[str, str], bytes]:
+async def raw(handle, method: str, path: str, body=None,
+              headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
     """One plain HTTP request: (status, headers, body)."""
     def exchange():
         host, port = handle.http.rsplit(":", 1)
         connection = http.client.HTTPConnection(host, int(port), timeout=30)
         try:
-            connection.request(method, path, body=body, headers=headers or {},
-                               encode_chunked=chunked)
+            connection.request(method, path, body=body, headers=headers or {})
             response = connection.getresponse()
             return response.status, dict(response.getheaders()), response.read()
         finally:
             connection.close()
 
     return await trio.to_thread.run_sync(exchange)
+
+
+def plain_exchange(handle, data: bytes) -> bytes:
+    """Send `data` on a fresh connection, then read until the server closes it."""
+    host, port = handle.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        return answer
 
 
 async def model_name(client: openai.OpenAI) -> str:
@@ -213,9 +223,12 @@ async def test_bodies_over_the_limit_are_refused_before_they_are_read(null_daemo
                                     b"{" + b" " * 2000 + b"}", json_body)
         assert status == 413
         assert json.loads(body)["error"]["code"] == "request_too_large"
-        status, _, _ = await raw(handle, "POST", "/v1/completions",
-                                 iter([b" " * 400] * 10), json_body, chunked=True)
-        assert status == 413
+        # chunked: refused once past the limit, the rest never read (none is sent here, so
+        # the server's close is not a reset that could hide its answer)
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        chunk = b"190\r\n" + b" " * 400 + b"\r\n"  # 0x190 = 400 bytes
+        answer = await trio.to_thread.run_sync(plain_exchange, handle, head + chunk * 3)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
         status, _, body = await raw(handle, "POST", "/v1/completions", b"{not json", json_body)
         assert status == 400 and json.loads(body)["error"]["param"] is None
         assert (await raw(handle, "GET", "/v1/completions"))[0] == 405
@@ -350,3 +363,26 @@ async def test_a_request_cancelled_mid_stream_ends_with_an_error_event(null_daem
     assert seen and seen[0].choices[0].text  # it was streaming when it was cancelled
     assert isinstance(ended, openai.APIError), ended
     assert ended.body["code"] == "cancelled"
+
+
+async def test_slow_and_oversized_requests_lose_their_connection(null_daemon) -> None:
+    handle = await http_daemon(null_daemon, **{
+        "http.max_header_bytes": 4096, "http.read_timeout": 1.0,
+        "http.keep_alive_timeout": 1.0})
+
+    def exchange(data: bytes) -> bytes:
+        return plain_exchange(handle, data)
+
+    with trio.fail_after(30):
+        huge = b"GET /health HTTP/1.1\r\nhost: x\r\nx-padding: " + b"a" * 5000
+        for end in (b"\r\n\r\n", b""):  # parsed whole, or refused while it is buffered
+            answer = await trio.to_thread.run_sync(exchange, huge + end)
+            assert answer.startswith(b"HTTP/1.1 431"), (end, answer[:100])
+        # a body that stops arriving: 408 after http.read_timeout
+        slow = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n"
+                b'{"model": ')
+        answer = await trio.to_thread.run_sync(exchange, slow)
+        assert answer.startswith(b"HTTP/1.1 408") and b"http.read_timeout" in answer
+        # a connection that never sends a request is closed after the keep-alive timeout
+        assert await trio.to_thread.run_sync(exchange, b"") == b""
+        assert (await raw(handle, "GET", "/health"))[0] == 200  # and the front still serves
