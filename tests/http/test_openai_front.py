@@ -386,3 +386,14 @@ async def test_slow_and_oversized_requests_lose_their_connection(null_daemon) ->
         # a connection that never sends a request is closed after the keep-alive timeout
         assert await trio.to_thread.run_sync(exchange, b"") == b""
         assert (await raw(handle, "GET", "/health"))[0] == 200  # and the front still serves
+
+
+async def test_reconcile_leaves_a_streaming_http_request_alone(null_daemon) -> None:
+    handle = await http_daemon(null_daemon)
+    model = await model_name(sdk(handle))
+    with held_stream(handle, model):
+        await wait_for(handle.control, lambda r: r.requests.running + r.requests.paused == 1)
+        reply = await send_command(handle.control, m.ReconcileCommand())
+        assert reply.findings == (), reply.findings  # its connection is live: not an orphan
+        report = await fetch_status(handle.control)
+        assert report.requests.running + report.requests.paused == 1
