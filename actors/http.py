@@ -226,7 +226,7 @@ class HttpFront(Actor):
 
     async def asgi(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await serve_lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -317,16 +317,16 @@ class HttpFront(Actor):
             snapshot = await self.questions.ask(self.scheduler, lambda address, token: am.Ask(
                 m.StatusQuery(), address, token), 5.0)
         except trio.TooSlowError:
-            await _send_text(send, 503, "the scheduler does not answer")
+            await send_text(send, 503, "the scheduler does not answer")
             return
         report = snapshot.report
         if report.state != "serving":
-            await _send_text(send, 503, report.state)
+            await send_text(send, 503, report.state)
         elif report.worker.state != "ready":
             failure = f": {report.worker.failure}" if report.worker.failure else ""
-            await _send_text(send, 503, f"worker {report.worker.state}{failure}")
+            await send_text(send, 503, f"worker {report.worker.state}{failure}")
         else:
-            await _send_text(send, 200, "serving")
+            await send_text(send, 200, "serving")
 
     # -- one generation -----------------------------------------------------------------------
 
@@ -461,7 +461,8 @@ async def _watch_disconnect(receive: Callable, scope: trio.CancelScope) -> None:
             return
 
 
-async def _lifespan(receive: Callable, send: Callable) -> None:
+async def serve_lifespan(receive: Callable, send: Callable) -> None:
+    """Answer an ASGI server's lifespan events: this app needs no startup or shutdown."""
     while True:
         event = await receive()
         if event["type"] == "lifespan.startup":
@@ -486,7 +487,7 @@ async def _send_json(send: Callable, status: int, payload: dict,
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_text(send: Callable, status: int, text: str) -> None:
+async def send_text(send: Callable, status: int, text: str) -> None:
     body = text.encode() + b"\n"
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"text/plain; charset=utf-8"),
