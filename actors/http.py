@@ -17,14 +17,18 @@ mapped to tenants, never logged), concurrent requests, body bytes and body read 
 `[http]` table), and the mapping of outcomes to statuses. `GET /health` asks the Scheduler.
 
 Asked (`Ask`), it says the address it bound or lists its live streams (for drain and
-reconcile); `Drain`/`EndDrain` make new requests 503 or admit them again.
+reconcile); `Drain`/`EndDrain` make new requests 503 or admit them again. A connection whose
+client reads nothing is dropped by the kernel after `send_timeout` (`TCP_USER_TIMEOUT` on
+the listening socket), since hypercorn's writes cannot be cancelled.
+
+What does not belong here: the response of one generation (`actors.http_exchange`), the
+OpenAI shapes (`actors.openai_api`).
 """
 
 from __future__ import annotations
 
 import hmac
 import itertools
-import json
 import logging
 import os
 import socket
@@ -41,15 +45,15 @@ from sluice.actors import messages as am
 from sluice.actors import openai_api as api
 from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.control import Questions
+from sluice.actors.http_exchange import (
+    Exchange, header, send_error, send_json, send_text, serve_lifespan, watch_disconnect,
+)  # fmt: skip
 from sluice.actors.reports import Endpoint, EndpointQuery
 from sluice.actors.stream import Stream
 from sluice.actors.supervisor import Supervisor
 from sluice.ipc import messages as m
 
 log = structlog.get_logger("sluice.http")
-
-_JSON = (b"content-type", b"application/json")
-
 
 @dataclass(frozen=True)
 class HttpSettings:
@@ -233,7 +237,7 @@ class HttpFront(Actor):
         try:
             await self._route(scope, receive, send)
         except api.ApiError as error:
-            await _send_error(send, error)
+            await send_error(send, error)
         except _Gone:
             pass
 
@@ -256,7 +260,7 @@ class HttpFront(Actor):
             return
         tenant = self._tenant(scope)
         if path == "/v1/models":
-            await _send_json(send, 200, {"object": "list", "data": [
+            await send_json(send, 200, {"object": "list", "data": [
                 {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sluice",
                  "max_model_len": self.max_model_len}]})
             return
@@ -280,7 +284,7 @@ class HttpFront(Actor):
         """The tenant of the request's API key; `default` when no keys are configured."""
         if not self.keys:
             return "default"
-        scheme, _, key = _header(scope, b"authorization").partition(b" ")
+        scheme, _, key = header(scope, b"authorization").partition(b" ")
         tenant = self.keys.tenant(key.strip()) if scheme.lower() == b"bearer" else None
         if tenant is None:
             raise api.ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
@@ -291,7 +295,7 @@ class HttpFront(Actor):
         limit = self.settings.max_body_bytes
         too_large = api.ApiError(413, f"the request body exceeds http.max_body_bytes = {limit}",
                                  code="request_too_large")
-        length = _header(scope, b"content-length")
+        length = header(scope, b"content-length")
         if length.isdigit() and int(length) > limit:
             raise too_large  # before a byte of it is read
         parts, size = [], 0
@@ -346,12 +350,12 @@ class HttpFront(Actor):
             self.streams[connection] = stream
             await self.supervisor.start_child(stream, transient=True)
             stream.inbox.put(request.generate)
-            exchange = _Exchange(request, connection.hex(), stream.inbox, replies, send,
+            exchange = Exchange(request, connection.hex(), stream.inbox, replies, send,
                                  self.settings.retry_after)
             refused: api.ApiError | None = None
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._heartbeats, stream.inbox)
-                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+                nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)
                 try:
                     await exchange.run()
                 except api.ApiError as error:  # answered below, outside the nursery
@@ -370,135 +374,3 @@ class HttpFront(Actor):
         while True:
             stream.put(m.Heartbeat())
             await trio.sleep(self.heartbeat_interval)
-
-
-class _Exchange:
-    """One request's answer: the stream's messages in, the HTTP response out."""
-
-    def __init__(self, request: api.ApiRequest, request_id: str, stream: Outbox,
-                 replies: Inbox, send: Callable, retry_after: int):
-        self.request = request
-        self.request_id = request_id
-        self.stream = stream
-        self.replies = replies
-        self.send = send
-        self.retry_after = retry_after
-        self.created = api.now()
-        self.prompt_tokens = 0
-        self.started = False  # the SSE response's head was sent
-        self.text: list[str] = []  # the non-streamed answer
-        self.error = ""
-
-    async def run(self) -> None:
-        while True:
-            deliver = await self.replies.get()
-            for item in deliver.messages:
-                if await self._take(item):
-                    return
-
-    async def _take(self, item: object) -> bool:
-        """Handle one message of the stream; True once the request ended."""
-        if isinstance(item, m.Accepted):
-            self.prompt_tokens = item.prompt_tokens
-            if self.request.stream:
-                await self._start()
-        elif isinstance(item, m.Chunk):
-            if self.request.stream:
-                if item.text:
-                    await self._body(api.stream_event(self.request, self.request_id,
-                                                      self.created, item.text, None))
-            else:
-                self.text.append(item.text)
-            # granted once the bytes are with hypercorn: a full socket withholds it
-            self.stream.put(m.Credit(item.request_id, 1))
-        elif isinstance(item, m.Error):
-            self.error = item.message
-        elif isinstance(item, m.Rejected):
-            raise api.rejected_error(item, self.retry_after)
-        elif isinstance(item, m.Finished):
-            await self._finish(item)
-            return True
-        return False
-
-    async def _start(self) -> None:
-        self.started = True
-        await self.send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-        if self.request.chat:  # OpenAI's first delta names the role
-            await self._body(api.stream_event(self.request, self.request_id, self.created,
-                                              "", None, first=True))
-
-    async def _body(self, data: bytes, more: bool = True) -> None:
-        await self.send({"type": "http.response.body", "body": data, "more_body": more})
-
-    async def _finish(self, finished: m.Finished) -> None:
-        reason = finished.reason
-        if reason not in (m.FinishReason.STOP, m.FinishReason.LENGTH):
-            error = api.ended_error(reason, self.error)
-            if not self.started:
-                raise error
-            await self._body(api.sse(error.body()), more=False)
-            return
-        used = api.usage(self.prompt_tokens, finished)
-        finish = api.finish_reason(reason)
-        if not self.request.stream:
-            await _send_json(self.send, 200, api.completion_body(
-                self.request, self.request_id, self.created, "".join(self.text), finish, used))
-            return
-        events = api.stream_event(self.request, self.request_id, self.created, None, finish)
-        if self.request.include_usage:
-            events += api.stream_event(self.request, self.request_id, self.created, None, None,
-                                       used=used)
-        await self._body(events + api.SSE_DONE, more=False)
-
-
-async def _watch_disconnect(receive: Callable, scope: trio.CancelScope) -> None:
-    """End the exchange when the client goes (its stream is told by the caller's `finally`)."""
-    while True:
-        event = await receive()
-        if event["type"] == "http.disconnect":
-            scope.cancel()
-            return
-
-
-async def serve_lifespan(receive: Callable, send: Callable) -> None:
-    """Answer an ASGI server's lifespan events: this app needs no startup or shutdown."""
-    while True:
-        event = await receive()
-        if event["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif event["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-def _header(scope: dict, name: bytes) -> bytes:
-    for key, value in scope["headers"]:
-        if key.lower() == name:
-            return value
-    return b""
-
-
-async def _send_json(send: Callable, status: int, payload: dict,
-                     headers: list[tuple[bytes, bytes]] = ()) -> None:
-    body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [_JSON, (b"content-length", str(len(body)).encode()), *headers]})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def send_text(send: Callable, status: int, text: str) -> None:
-    body = text.encode() + b"\n"
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"text/plain; charset=utf-8"),
-        (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _send_error(send: Callable, error: api.ApiError) -> None:
-    headers = []
-    if error.retry_after is not None:
-        headers.append((b"retry-after", str(error.retry_after).encode()))
-    if error.status == 413:  # the rest of the body is never read: this connection is done
-        headers.append((b"connection", b"close"))
-    await _send_json(send, error.status, error.body(), headers)

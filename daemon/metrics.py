@@ -32,7 +32,7 @@ from hypercorn.trio import serve
 from prometheus_client import CollectorRegistry, generate_latest, make_asgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from sluice.actors.http import send_text, serve_lifespan
+from sluice.actors.http_exchange import send_text, serve_lifespan
 from sluice.actors.reports import Histogram, MetricsSnapshot
 from sluice.ipc import messages as m
 
