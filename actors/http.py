@@ -38,12 +38,13 @@ from typing import Any
 
 import structlog
 import trio
+import zmq
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from sluice.actors import messages as am
 from sluice.actors import openai_api as api
-from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
+from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.control import Questions
 from sluice.actors.http_exchange import (
     Exchange, header, send_error, send_json, send_text, serve_lifespan, watch_disconnect,
@@ -344,11 +345,22 @@ class HttpFront(Actor):
             raise api.ApiError(404, f"the model {request.model!r} does not exist; this server "
                                f"serves {self.model_name!r}", type="not_found_error",
                                param="model", code="model_not_found")
-        replies = Inbox(f"http-{connection.hex()}")
+        replies = stream = None
+        started = False
         try:
-            stream = self.make_stream(connection, DeliverSink(replies))
+            try:
+                replies = Inbox(f"http-{connection.hex()}")
+                stream = self.make_stream(connection, DeliverSink(replies))
+            except zmq.ZMQError as exc:
+                if exc.errno not in RESOURCE_ERRNOS:
+                    raise
+                # out of descriptors: this request is refused, not the daemon
+                raise api.ApiError(429, "the daemon has no file descriptor left for another "
+                                   "request", type="rate_limit_error", code="overloaded",
+                                   retry_after=self.settings.retry_after) from None
             self.streams[connection] = stream
             await self.supervisor.start_child(stream, transient=True)
+            started = True
             stream.inbox.put(request.generate)
             exchange = Exchange(request, connection.hex(), stream.inbox, replies, send,
                                  self.settings.retry_after)
@@ -367,7 +379,10 @@ class HttpFront(Actor):
             # the stream ends; a request still running is cancelled and its KV released
             if connection in self.streams:
                 self.streams[connection].inbox.put(am.ClientGone(connection))
-            replies.close()
+            elif stream is not None and not started:
+                stream.close()
+            if replies is not None:
+                replies.close()
 
     async def _heartbeats(self, stream: Outbox) -> None:
         """Keep the stream's silence timeout from firing while the HTTP client is connected."""
