@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hmac
 import itertools
-import logging
 import os
 import socket
 from collections.abc import Callable
@@ -47,7 +46,8 @@ from sluice.actors import openai_api as api
 from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.control import Questions
 from sluice.actors.http_exchange import (
-    Exchange, header, send_error, send_json, send_text, serve_lifespan, watch_disconnect,
+    Exchange, header, send_error, send_json, send_text, serve_lifespan, server_log,
+    watch_disconnect,
 )  # fmt: skip
 from sluice.actors.reports import Endpoint, EndpointQuery
 from sluice.actors.stream import Stream
@@ -197,7 +197,7 @@ class HttpFront(Actor):
         config.keep_alive_timeout = self.settings.keep_alive_timeout
         config.include_server_header = False
         config.accesslog = None  # a request's line is not for the journal
-        config.errorlog = logging.getLogger("sluice.http.server")
+        config.errorlog = server_log("sluice.http.server")
         config.graceful_timeout = 1.0
         await serve(self.asgi, config, shutdown_trigger=trio.sleep_forever,
                     task_status=task_status)

@@ -13,8 +13,10 @@ shapes themselves (`actors.openai_api`).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 
+import structlog
 import trio
 
 from sluice.actors import openai_api as api
@@ -154,3 +156,24 @@ async def send_error(send: Callable, error: api.ApiError) -> None:
     if error.status == 413:  # the rest of the body is never read: this connection is done
         headers.append((b"connection", b"close"))
     await send_json(send, error.status, error.body(), headers)
+
+
+class _ToStructlog(logging.Handler):
+    """hypercorn's own lines (a protocol error, an app that raised) in the daemon's logs."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = {}
+        if record.exc_info:
+            fields["exception"] = logging.Formatter().formatException(record.exc_info)
+        level = "error" if record.levelno >= logging.ERROR else (
+            "warning" if record.levelno >= logging.WARNING else "debug")
+        getattr(structlog.get_logger(record.name), level)(record.getMessage(), **fields)
+
+
+def server_log(name: str) -> logging.Logger:
+    """The standard logger to give hypercorn as its error log."""
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        logger.addHandler(_ToStructlog())
+        logger.propagate = False
+    return logger

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -32,7 +31,7 @@ from hypercorn.trio import serve
 from prometheus_client import CollectorRegistry, generate_latest, make_asgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from sluice.actors.http_exchange import send_text, serve_lifespan
+from sluice.actors.http_exchange import send_text, serve_lifespan, server_log
 from sluice.actors.reports import Histogram, MetricsSnapshot
 from sluice.ipc import messages as m
 
@@ -194,7 +193,7 @@ async def serve_metrics(metrics: Metrics, host: str, port: int, *,
     config.keep_alive_timeout = 10.0  # a scrape may wait that long for the scheduler
     config.include_server_header = False
     config.accesslog = None
-    config.errorlog = logging.getLogger("sluice.metrics.server")
+    config.errorlog = server_log("sluice.metrics.server")
     config.graceful_timeout = 1.0
     prometheus = make_asgi_app(metrics.registry)
 
