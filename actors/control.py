@@ -49,6 +49,11 @@ class ControlHooks:
     recover: Callable[[], Awaitable[str]] | None = None  # restart the worker; a line to report
     # debug-only faults by kind; None when the daemon does not allow fault injection
     faults: dict[str, Callable[[], Awaitable[str]]] | None = None
+    http: Outbox | None = None  # the HTTP front, when enabled: told and asked as the gateway
+
+    def fronts(self) -> list[Outbox]:
+        """The front doors, each with live streams of its own."""
+        return [front for front in (self.gateway, self.http) if front is not None]
 
 
 class Questions:
@@ -149,9 +154,13 @@ class Control(Actor):
                                lambda address, token: am.Ask(am.ListConnections(), address, token))
 
     async def connection_ids(self) -> frozenset[bytes] | None:
-        """The live client connections, from the gateway (None without one)."""
-        state = await self.gateway_state()
-        return None if state is None else state.ids
+        """The live client connections, from every front door (None without one)."""
+        ids: frozenset[bytes] | None = None
+        for front in self.hooks.fronts():
+            state = await self._ask(front, lambda address, token: am.Ask(
+                am.ListConnections(), address, token))
+            ids = (ids or frozenset()) | state.ids
+        return ids
 
     async def status(self, query: m.StatusQuery) -> m.StatusReport:
         snapshot = await self._ask(self.scheduler,
@@ -227,8 +236,8 @@ class Control(Actor):
             self.subscribers[identity] = trio.current_time() + max(0.5, min(command.ttl, 60.0))
             return await self.snapshot()
         if isinstance(command, m.DrainCommand):
-            if hooks.gateway is not None:
-                hooks.gateway.put(am.Drain())
+            for front in hooks.fronts():
+                front.put(am.Drain())
             answer = await self._operate(command)
             if command.deadline is not None:
                 self._nursery.start_soon(self._drain_deadline, command.deadline, self.drain_epoch)
@@ -236,8 +245,8 @@ class Control(Actor):
             return answer
         if isinstance(command, m.ResumeCommand):
             self.drain_epoch += 1
-            if hooks.gateway is not None:
-                hooks.gateway.put(am.EndDrain())
+            for front in hooks.fronts():
+                front.put(am.EndDrain())
             self.scheduler.put(am.EndDrain())
             log.info("resume")
             return m.CommandReply("resume", True, "admitting again")

@@ -148,7 +148,7 @@ class SchedulerActor(Actor):
         if self.worker_state == "failed":
             self.counters["rejected"] += 1
             self.tokenizer.put(am.AdmissionRefused(msg.request_id, m.RejectCode.OVERLOADED,
-                                         worker_failed_message(self.worker_failure)))
+                                         worker_failed_message(self.worker_failure), "worker"))
             return
         request = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
                           tenant=msg.tenant, priority=msg.priority)

@@ -16,6 +16,10 @@ travels on.
 Buffered chunks are merged when sent, so one credit can carry several tokens. Terminal
 messages (`Finished`, `Error`, `Rejected`) never need a credit.
 
+What it says to its client goes to a `ClientSink` once per handled message: a ZeroMQ
+connection's are encoded into one frame for the gateway (`FrameSink`); an HTTP request's are
+handed to that request as the typed messages (`actors.http`).
+
 A connection may hold `max_requests_per_connection` open requests (those still tokenizing
 count), and its outstanding credits per request are clamped to `max_credits`. A stream
 belongs to its connection alone: a crash ends the connection's requests with `Error` and
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 import trio
@@ -53,6 +58,27 @@ class StreamConfig:
     low_watermark: int = 8  # buffered chunks at or below which it resumes
 
 
+class ClientSink(Protocol):
+    """Where a stream's messages to its client go, in order, once per handled message."""
+
+    def send(self, connection: bytes, messages: list) -> None: ...
+
+
+class FrameSink:
+    """A ZeroMQ connection's: one frame per handled message, put to the gateway.
+
+    One frame, not one per message: a socket send per token would cost more than the rest
+    of the daemon's work for that token."""
+
+    def __init__(self, codec: Codec, gateway: Outbox):
+        self.codec = codec
+        self.gateway = gateway
+
+    def send(self, connection: bytes, messages: list) -> None:
+        frame = self.codec.pack_envelopes([self.codec.envelope(msg) for msg in messages])
+        self.gateway.put(am.Outbound(connection, (frame,)))
+
+
 @dataclass
 class _Request:
     client_id: str
@@ -74,19 +100,20 @@ class Stream(Actor):
         gateway: Outbox,
         tokenizer: Outbox,
         limits: Limits = Limits(),
+        sink: ClientSink | None = None,
     ):
         super().__init__(f"stream-{connection.hex()}")
         self.connection = connection
         self.config = config
         self.limits = limits
-        self.codec = codec
-        self.gateway = gateway
+        self.gateway = gateway  # the front that routes to this stream, told when it closes
+        self.sink = sink or FrameSink(codec, gateway)
         self.tokenizer = tokenizer  # the one route of this stream's requests
         self.closed = False
         self.askers = Outboxes()  # drain's questions are answered here
 
     def reset(self) -> None:
-        self.outgoing: list[list] = []  # messages of this message's handling, sent as one frame
+        self.outgoing: list = []  # messages of this message's handling, sent together
         self.requests: dict[str, _Request] = {}
         self.last_heard = trio.current_time()
 
@@ -277,14 +304,12 @@ class Stream(Actor):
                 self.tokenizer.put(am.ResumeDecoding(request.daemon_id))
 
     def _send(self, msg: object) -> None:
-        self.outgoing.append(self.codec.envelope(msg))
+        self.outgoing.append(msg)
 
     def after_message(self) -> None:
-        # one frame per handled message: a socket send per token would cost more than the
-        # rest of the daemon's work for that token
         if self.outgoing:
-            envelopes, self.outgoing = self.outgoing, []
-            self.gateway.put(am.Outbound(self.connection, (self.codec.pack_envelopes(envelopes),)))
+            messages, self.outgoing = self.outgoing, []
+            self.sink.send(self.connection, messages)
 
 
 def _merge(chunks: deque[m.Chunk]) -> m.Chunk:

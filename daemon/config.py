@@ -24,6 +24,11 @@ policy = "fair"
 
 [limits]                    # actors.limits.Limits: what one client can make the daemon hold
 max_frame_bytes = 4194304
+
+[http]                      # actors.http.HttpSettings: the OpenAI-compatible front (off)
+listen = "127.0.0.1:8000"
+[http.tenants]
+interactive = ["<API key>"]
 ```
 Unknown keys are errors naming the key. Nothing here starts anything.
 """
@@ -39,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.actors.executor.actor import WorkerSpec
+from sluice.actors.http import HttpSettings
 from sluice.actors.limits import Limits
 from sluice.actors.local_socket import (
     UnsafeDirectory,
@@ -132,6 +138,7 @@ class DaemonConfig:
     scheduler: dict[str, Any] = field(default_factory=dict)
     auth: AuthSettings = AuthSettings()
     limits: Limits = Limits()
+    http: HttpSettings = HttpSettings()
 
     @property
     def control_address(self) -> str:
@@ -139,7 +146,7 @@ class DaemonConfig:
 
 
 _SECTIONS = {"stream": StreamConfig, "worker": WorkerSpec, "null": NullSettings,
-             "auth": AuthSettings, "limits": Limits}
+             "auth": AuthSettings, "limits": Limits, "http": HttpSettings}
 
 
 Z85_KEY_LENGTH = 40  # a 32-byte CURVE key in Z85
@@ -153,26 +160,51 @@ def read_secret_key(auth: AuthSettings) -> AuthSettings:
         return auth
     if auth.server_secret_key is not None:
         raise ConfigFileError("auth: set server_secret_key or server_secret_key_file, not both")
-    path = Path(name)
-    if not path.is_absolute():
-        credentials = os.environ.get("CREDENTIALS_DIRECTORY")
-        if not credentials:
-            raise ConfigFileError(f"auth.server_secret_key_file: {name!r} is relative, which "
-                                  "names a systemd credential, but $CREDENTIALS_DIRECTORY is "
-                                  "not set (LoadCredential= in the unit)")
-        path = Path(credentials) / path
-    try:
-        info = os.stat(path)
-        key = path.read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigFileError(f"auth.server_secret_key_file: {path}: {exc}") from None
-    if info.st_mode & 0o007:
-        raise ConfigFileError(f"auth.server_secret_key_file: {path} is readable by others; "
-                              "make it 0600 or 0640")
+    path, key = read_secret_file("auth.server_secret_key_file", name)
+    key = key.strip()
     if len(key) != Z85_KEY_LENGTH:
         raise ConfigFileError(f"auth.server_secret_key_file: {path} does not hold a Z85 CURVE "
                               f"secret key ({Z85_KEY_LENGTH} characters)")
     return dataclasses.replace(auth, server_secret_key=key)
+
+
+def read_secret_file(setting: str, name: str) -> tuple[Path, str]:
+    """(path, text) of a secret file a setting names; a relative name is a systemd
+    credential, looked up in `$CREDENTIALS_DIRECTORY`. Errors name the file, never its text."""
+    path = Path(name)
+    if not path.is_absolute():
+        credentials = os.environ.get("CREDENTIALS_DIRECTORY")
+        if not credentials:
+            raise ConfigFileError(f"{setting}: {name!r} is relative, which names a systemd "
+                                  "credential, but $CREDENTIALS_DIRECTORY is not set "
+                                  "(LoadCredential= in the unit)")
+        path = Path(credentials) / path
+    try:
+        info = os.stat(path)
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigFileError(f"{setting}: {path}: {exc}") from None
+    if info.st_mode & 0o007:
+        raise ConfigFileError(f"{setting}: {path} is readable by others; make it 0600 or 0640")
+    return path, text
+
+
+def read_api_keys(http: HttpSettings) -> HttpSettings:
+    """Add the keys of `tenant_keys_file` (lines `TENANT KEY`; `#` starts a comment) to
+    `tenants`. Errors name the file and the line, never a key."""
+    if http.tenant_keys_file is None:
+        return http
+    path, text = read_secret_file("http.tenant_keys_file", http.tenant_keys_file)
+    tenants = {tenant: list(keys) for tenant, keys in http.tenants.items()}
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) != 2:
+            raise ConfigFileError(f"http.tenant_keys_file: {path} line {number}: expected "
+                                  "TENANT KEY")
+        tenants.setdefault(words[0], []).append(words[1])
+    return dataclasses.replace(http, tenants=tenants)
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> DaemonConfig:
@@ -209,6 +241,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         else:
             values[name] = value
     values["auth"] = read_secret_key(values["auth"])
+    values["http"] = read_api_keys(values["http"])
     if values.get("model") == "default":
         values["model"] = None
     if values.get("executor", "model") not in ("model", "null"):

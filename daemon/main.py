@@ -13,7 +13,8 @@ tenants and limits. Exit codes, for systemd's `Restart=` and `StartLimit*` to de
 - 78 (`EXIT_CONFIG`): the configuration is invalid, the runtime directory is unsafe, or
   another daemon answers on the control socket; restarting cannot fix it.
 
-Once it serves, `sluiced ready listen=ADDR control=ADDR [metrics=PORT]` goes to stdout, then
+Once it serves, `sluiced ready listen=ADDR control=ADDR [metrics=PORT] [http=HOST:PORT]` goes
+to stdout, then
 the command to chat; systemd hears READY=1 (`notify.py`).
 """
 
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--pause-timeout", type=float, help="seconds a paused request may wait")
     serve.add_argument("--drain-deadline", type=float, help="seconds SIGTERM waits")
     serve.add_argument("--log-level", default=os.environ.get("SLUICE_LOG_LEVEL", "info"))
+    serve.add_argument("--http", metavar="HOST:PORT",
+                       help="serve the OpenAI-compatible HTTP API here (port 0: any free)")
     serve.add_argument("--metrics-port", type=int,
                        help="serve Prometheus /metrics and /health on this port (0: any free)")
     return parser
@@ -70,6 +73,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "executor": executor,
         "drain_deadline": args.drain_deadline,
         "metrics_port": args.metrics_port,
+        "http.listen": args.http,
         "stream.heartbeat_timeout": args.heartbeat_timeout,
         "stream.pause_timeout": args.pause_timeout,
         "worker.num_blocks": args.num_blocks if executor != "null" else None,
@@ -92,8 +96,9 @@ async def serve(config, config_path: str | None = None, overrides: dict | None =
             # the many short-lived messages of a busy daemon would otherwise trigger often.
             gc.freeze()
             metrics = "" if daemon.metrics_port is None else f" metrics={daemon.metrics_port}"
+            http = "" if daemon.http_address is None else f" http={daemon.http_address}"
             print(f"sluiced ready listen={daemon.listen_address} control={daemon.control_address}"
-                  + metrics, flush=True)
+                  + metrics + http, flush=True)
             print(f"chat with it:  sluice chat --connect {daemon.listen_address}", flush=True)
             notify(f"READY=1\nSTATUS=serving on {daemon.listen_address}")
             nursery.start_soon(keepalive, daemon.summary)

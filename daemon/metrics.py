@@ -8,7 +8,9 @@ typed bucket counts. Nothing here reads an actor. Names follow DESIGN §10.
 
 `/health` answers 200 while serving with a ready worker, 503 while draining, while the
 worker is down or `failed` (the body says which), or when the scheduler does not answer.
-Nothing here binds a port unless `metrics_port` is configured.
+Nothing here binds a port unless `metrics_port` is configured. The port is served by
+hypercorn's trio worker with a small ASGI app around prometheus_client's, as the HTTP
+front is (`actors.http`).
 
 Tenant labels are bounded: each tenant the config or an operator created has its own label;
 tenants that clients merely named (`[limits] open_tenants`) share the label `(other)`, so a
@@ -18,21 +20,24 @@ flood of invented names cannot grow the label sets.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import structlog
 import trio
-from prometheus_client import CollectorRegistry, generate_latest
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+from prometheus_client import CollectorRegistry, generate_latest, make_asgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from sluice.actors.http_exchange import send_text, serve_lifespan, server_log
 from sluice.actors.reports import Histogram, MetricsSnapshot
 from sluice.ipc import messages as m
 
 log = structlog.get_logger("sluice.metrics")
 
-_REQUEST_LIMIT = 8192  # bytes of request line and headers we read before giving up
+_REQUEST_LIMIT = 8192  # bytes of request line and headers buffered before giving up
 OTHER_TENANTS = "(other)"  # the label of every tenant no config or operator created
 
 
@@ -180,58 +185,38 @@ class _SchedulerCollector:
 
 async def serve_metrics(metrics: Metrics, host: str, port: int, *,
                         task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve `/metrics` and `/health` on host:port; `started()` gets the bound port."""
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    bound = listeners[0].socket.getsockname()[1]
-    log.info("metrics listening", host=host, port=bound)
+    """Serve `/metrics` and `/health` on host:port with hypercorn (the HTTP front's server);
+    `started()` gets the bound port."""
+    config = HypercornConfig()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.h11_max_incomplete_size = _REQUEST_LIMIT
+    config.keep_alive_timeout = 10.0  # a scrape may wait that long for the scheduler
+    config.include_server_header = False
+    config.accesslog = None
+    config.errorlog = server_log("sluice.metrics.server")
+    config.graceful_timeout = 1.0
+    prometheus = make_asgi_app(metrics.registry)
 
-    async def handle(stream: trio.SocketStream) -> None:
-        try:
-            with trio.move_on_after(10):
-                await _answer(stream, metrics)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            pass
-        finally:
-            await trio.aclose_forcefully(stream)
+    async def app(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "lifespan":
+            await serve_lifespan(receive, send)
+            return
+        path = scope["path"]
+        if scope["method"] not in ("GET", "HEAD"):
+            await send_text(send, 405, "only GET")
+        elif path not in ("/metrics", "/health"):
+            await send_text(send, 404, "not found: try /metrics or /health")
+        elif not await metrics.refresh():
+            await send_text(send, 503, "the scheduler does not answer")
+        elif path == "/metrics":
+            await prometheus(scope, receive, send)
+        else:
+            ok, why = metrics.healthy()
+            await send_text(send, 200 if ok else 503, why)
 
     async with trio.open_nursery() as nursery:
+        binds = await nursery.start(functools.partial(serve, app, config,
+                                                      shutdown_trigger=trio.sleep_forever))
+        bound = int(binds[0].rsplit(":", 1)[1])
+        log.info("metrics listening", host=host, port=bound)
         task_status.started(bound)
-        await trio.serve_listeners(handle, listeners, handler_nursery=nursery)
-
-
-async def _answer(stream: trio.SocketStream, metrics: Metrics) -> None:
-    data = b""
-    while b"\r\n\r\n" not in data and b"\n\n" not in data:
-        chunk = await stream.receive_some(4096)
-        if not chunk:
-            return
-        data += chunk
-        if len(data) > _REQUEST_LIMIT:
-            await _respond(stream, 431, b"request too large\n")
-            return
-    parts = data.split(b"\r\n", 1)[0].split()
-    if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):
-        await _respond(stream, 405, b"only GET\n")
-        return
-    path = parts[1].split(b"?", 1)[0]
-    if path in (b"/metrics", b"/health") and not await metrics.refresh():
-        await _respond(stream, 503, b"the scheduler does not answer\n")
-        return
-    if path == b"/metrics":
-        await _respond(stream, 200, metrics.render(), CONTENT_TYPE_LATEST)
-    elif path == b"/health":
-        ok, why = metrics.healthy()
-        await _respond(stream, 200 if ok else 503, why.encode() + b"\n")
-    else:
-        await _respond(stream, 404, b"not found: try /metrics or /health\n")
-
-
-_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",
-            431: "Request Header Fields Too Large", 503: "Service Unavailable"}
-
-
-async def _respond(stream: trio.SocketStream, status: int, body: bytes,
-                   content_type: str = "text/plain; charset=utf-8") -> None:
-    head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-    await stream.send_all(head + body)

@@ -33,6 +33,7 @@ from sluice.actors.executor.actor import Executor
 from sluice.actors.executor.loader import resolve_model_path
 from sluice.actors.executor.null import NullExecutor
 from sluice.actors.gateway import Gateway
+from sluice.actors.http import HttpFront
 from sluice.actors.reports import EndpointQuery, MetricsQuery, WorkerFacts, WorkerQuery
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
 from sluice.actors.scheduler_actor import SchedulerActor
@@ -68,6 +69,8 @@ class Daemon:
         self.tokenizer: Tokenizer | None = None
         self.gateway: Gateway | None = None
         self.control: Control | None = None
+        self.http: HttpFront | None = None
+        self.http_address: str | None = None  # HOST:PORT of the HTTP front, when enabled
         self.metrics_port: int | None = None  # bound port of /metrics, when enabled
         self.listen_address: str | None = None  # what the gateway bound, once it serves
         self.control_address: str | None = None  # what the control actor bound
@@ -89,7 +92,7 @@ class Daemon:
             for outbox in self._stream_outboxes.values():
                 outbox.close()
             for actor in (self.executor, self.scheduler, self.tokenizer, self.gateway,
-                          self.control):
+                          self.control, self.http):
                 if actor is not None:
                     actor.close()
 
@@ -112,10 +115,12 @@ class Daemon:
             )
             max_model_len = facts.max_model_len
             self._file_tenants = set(core_config.tenants)
-            # which tenants a client may name is an intake limit; CURVE keys' tenants exist
+            # which tenants a client may name is an intake limit; the tenants of CURVE keys
+            # and API keys exist
+            keyed = [*cfg.auth.tenants, *cfg.http.tenants]
             core_config = dataclasses.replace(
                 core_config,
-                tenants={**{name: core_config.tenant(name) for name in cfg.auth.tenants},
+                tenants={**{name: core_config.tenant(name) for name in keyed},
                          **core_config.tenants},
                 open_tenants=cfg.limits.open_tenants,
                 default_tenant_max_queued=cfg.limits.default_tenant_max_queued)
@@ -151,17 +156,33 @@ class Daemon:
                                    tenant_keys={key: tenant
                                                 for tenant, keys in cfg.auth.tenants.items()
                                                 for key in keys})
+            fronts = [self.gateway]
+            if cfg.http.listen is not None:
+                http_inbox = self._inboxes["http"] = Inbox("http")
+
+                def make_http_stream(connection: bytes, sink) -> Stream:
+                    return Stream(connection, config=cfg.stream, codec=codec, gateway=http_inbox,
+                                  tokenizer=tokenizer_inbox, limits=cfg.limits, sink=sink)
+
+                self.http = HttpFront(cfg.http, supervisor=self.supervisor,
+                                      make_stream=make_http_stream, scheduler=scheduler_inbox,
+                                      model_name=model_name, max_model_len=max_model_len,
+                                      heartbeat_interval=cfg.stream.heartbeat_interval,
+                                      inbox=http_inbox)
+                fronts.append(self.http)
             self.control = Control(cfg.control_address, scheduler=scheduler_inbox,
                                    hooks=self._control_hooks(gateway_inbox))
             control_inbox = self._inboxes["control"] = self.control.inbox
-            for actor in (self.scheduler, self.tokenizer, self.gateway, self.control):
+            for actor in (self.scheduler, self.tokenizer, *fronts, self.control):
                 await self.supervisor.start_child(actor)
             self.listen_address = await self._bound_address(gateway_inbox)
             self.control_address = await self._bound_address(control_inbox)
+            if self.http is not None:
+                self.http_address = await self._bound_address(self._inboxes["http"])
             if cfg.metrics_port is not None:
                 await self._start_metrics(nursery)
             log.info("ready", listen=self.listen_address, control=self.control_address,
-                     executor=cfg.executor, kv_blocks=facts.num_blocks)
+                     http=self.http_address, executor=cfg.executor, kv_blocks=facts.num_blocks)
             task_status.started(self)
             await self.stopped.wait()
             nursery.cancel_scope.cancel()
@@ -226,7 +247,7 @@ class Daemon:
         if self.config.debug_faults:
             faults = {"worker_down": self._stop_worker}  # vanish_stream: the gateway's own
         return ControlHooks(gateway=gateway_inbox, tokenizer=self._inboxes["tokenizer"],
-                            recover=self.recover, faults=faults)
+                            recover=self.recover, faults=faults, http=self._inboxes.get("http"))
 
     async def recover(self) -> str:
         """Restart the worker: replace a serving one, retry a failed one now, or start the
@@ -265,7 +286,9 @@ class Daemon:
         Returns whether every request finished before the deadline; the rest are cancelled.
         """
         deadline = self.config.drain_deadline if deadline is None else deadline
-        self._inboxes["gateway"].put(am.Drain())
+        for front in ("gateway", "http"):
+            if front in self._inboxes:
+                self._inboxes[front].put(am.Drain())
         self._scheduler_inbox.put(am.Drain())
         finished = True
         with trio.move_on_after(deadline) as scope:
@@ -298,9 +321,13 @@ class Daemon:
                              lambda address, token: am.Ask(am.Holding(), address, token))
             if held.requests:
                 return False
-            connections = await ask(self._inboxes["gateway"], lambda address, token: am.Ask(
-                am.ListConnections(), address, token))
-            for stream in connections.streams:
+            streams: list[str] = []
+            for front in ("gateway", "http"):  # the streams of every front door
+                if front in self._inboxes:
+                    connections = await ask(self._inboxes[front], lambda address, token: am.Ask(
+                        am.ListConnections(), address, token))
+                    streams.extend(connections.streams)
+            for stream in streams:
                 outbox = self._stream_outboxes.get(stream)
                 if outbox is None:
                     outbox = self._stream_outboxes[stream] = Outbox(stream)

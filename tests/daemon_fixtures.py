@@ -63,6 +63,7 @@ class DaemonHandle:
     process: subprocess.Popen | None = None
     daemon: object | None = None  # the in-process Daemon
     log: Path | None = None  # a process daemon's stderr (JSON lines)
+    http: str | None = None  # HOST:PORT of its OpenAI-compatible front, when it has one
 
     async def status(self) -> m.StatusReport:
         return await fetch_status(self.control, check_invariants=True)
@@ -175,13 +176,14 @@ def model_daemon_process():
     folder = Path(tempfile.mkdtemp(prefix="sluice-e2e-"))
     config = folder / "sluiced.toml"
     config.write_text(MODEL_DAEMON_CONFIG)
-    process, listen, control = start_daemon_process(
+    process, fields = start_sluiced(
         ["--config", str(config), "--listen", "tcp://127.0.0.1:0",
-         "--control", f"ipc://{folder}/control.sock"],
-        log=folder / "sluiced.log",
+         "--control", f"ipc://{folder}/control.sock", "--http", "127.0.0.1:0"],
+        log=folder / "sluiced.log", log_level="warning", timeout=240.0,
     )
     keep_for_scope(process)  # each `model_daemon` test checks it; see below
-    yield DaemonHandle(listen, control, process, log=folder / "sluiced.log")
+    yield DaemonHandle(fields["listen"], fields["control"], process, log=folder / "sluiced.log",
+                       http=fields["http"])
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(timeout=60)

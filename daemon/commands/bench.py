@@ -6,6 +6,9 @@ come from `--workload` (JSON lines: prompt or prompt_ids, max_tokens, optional t
 repeat `--prompt`; `--tenants a:2,b:1` spreads them over tenants by weight. Reported: TTFT,
 TPOT, ITL and E2E percentiles, output tokens/s, goodput under the SLOs, rejections, and per
 tenant the tokens served and the Jain index of weight-normalised service.
+
+`--http URL` drives the daemon's OpenAI-compatible front instead (`http_load`), with the same
+workloads and report; a tenant is then chosen by its API key (`--api-key TENANT=KEY`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from dataclasses import dataclass, field
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect", metavar="ADDR", default="tcp://127.0.0.1:7340")
+    parser.add_argument("--http", metavar="URL",
+                        help="drive the OpenAI-compatible front at http://HOST:PORT instead")
+    parser.add_argument("--api-key", action="append", default=[], metavar="TENANT=KEY",
+                        help="with --http: the API key of a tenant (repeatable)")
     parser.add_argument("--connect-control", metavar="ADDR", default=None,
                         help="also read preemptions from the daemon's control socket")
     load = parser.add_mutually_exclusive_group()
@@ -134,6 +141,24 @@ async def _one(client, item: dict, tenant: str, args, samples: list[Sample]) -> 
     sample.finish_reason = generation.result.finish_reason
 
 
+def parse_api_keys(pairs: list[str]) -> dict[str, str]:
+    keys = {}
+    for pair in pairs:
+        tenant, sep, key = pair.partition("=")
+        if not sep or not tenant or not key:
+            raise ValueError(f"--api-key {tenant}...: expected TENANT=KEY")
+        keys[tenant] = key
+    return keys
+
+
+async def _one_http(front, item: dict, tenant: str, args, samples: list[Sample]) -> None:
+    sample = Sample(tenant, time.perf_counter())
+    samples.append(sample)
+    await front.generate(item, item.get("tenant", tenant), sample,
+                         max_tokens=int(item.get("max_tokens", args.max_tokens)),
+                         temperature=args.temperature, ignore_eos=args.ignore_eos)
+
+
 async def run_load(args: argparse.Namespace) -> tuple[list[Sample], float, int | None]:
     import trio
 
@@ -152,11 +177,20 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Sample], float, int |
     started = time.perf_counter()
     deadline = started + args.duration if args.duration else float("inf")
     async with contextlib.AsyncExitStack() as stack:
-        clients = [
-            await stack.enter_async_context(
-                AsyncClient(args.connect, credit_window=args.credit_window))
-            for _ in range(max(1, args.connections))
-        ]
+        if args.http:
+            from sluice.daemon.commands.http_load import HttpFront
+
+            front = HttpFront(args.http, parse_api_keys(args.api_key))
+            stack.push_async_callback(front.aclose)
+            await front.start()
+            clients, one = [front], _one_http
+        else:
+            clients = [
+                await stack.enter_async_context(
+                    AsyncClient(args.connect, credit_window=args.credit_window))
+                for _ in range(max(1, args.connections))
+            ]
+            one = _one
         async with trio.open_nursery() as nursery:
             limiter = trio.Semaphore(args.concurrency or 16) if not args.rate else None
             for n in itertools.count():
@@ -171,7 +205,7 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Sample], float, int |
 
                 async def task(client=clients[n % len(clients)], item=item, tenant=tenant):
                     try:
-                        await _one(client, item, tenant, args, samples)
+                        await one(client, item, tenant, args, samples)
                     finally:
                         if limiter is not None:
                             limiter.release()
@@ -229,11 +263,12 @@ def _ms(value: float | None) -> str:
 def run(args: argparse.Namespace) -> int:
     import trio
 
+    from sluice.daemon.commands.http_load import HttpLoadError
     from sluice.ipc.errors import SluiceError
 
     try:
         samples, seconds, preemptions = trio.run(run_load, args)
-    except (SluiceError, ValueError, OSError) as exc:
+    except (SluiceError, ValueError, OSError, HttpLoadError) as exc:
         print(f"sluice bench: {exc}", file=sys.stderr)
         return 2
     report = summarize(args, samples, seconds, preemptions)

@@ -8,6 +8,9 @@ import sys
 
 import trio
 
+from sluice.ipc import messages as m
+from sluice.ipc.control import send_command
+
 
 async def sluice(*args: str) -> subprocess.CompletedProcess:
     return await trio.to_thread.run_sync(lambda: subprocess.run(
@@ -70,3 +73,29 @@ async def test_bench_json_reports_latency_percentiles(null_daemon) -> None:
         assert report[name]["p50"] <= report[name]["p99"]
     assert set(report["tenants"]) == {"a", "b"} and 0 < report["jain_index"] <= 1
     assert report["preemptions"] == 0
+
+
+async def test_bench_http_drives_the_openai_front_with_the_same_report(null_daemon) -> None:
+    daemon = await null_daemon(**{"http.listen": "127.0.0.1:0", "http.tenants": {
+        "a": ["key-a"], "b": ["key-b"]}})
+    url = f"http://{daemon.daemon.http_address}"
+    with trio.fail_after(120):
+        done = await sluice("bench", "--http", url, "--api-key", "a=key-a", "--api-key",
+                            "b=key-b", "--concurrency", "8", "--requests", "24",
+                            "--max-tokens", "6", "--ignore-eos", "--tenants", "a:2,b:1",
+                            "--json")
+        refused = await sluice("bench", "--http", url, "--requests", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["completed"] == 24 and report["rejected"] == 0
+    assert report["output_tokens"] == 24 * 6 and report["finish_reasons"] == {"length": 24}
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        assert report[name]["p50"] is not None and report[name]["p50"] <= report[name]["p99"]
+    assert {name: t["requests"] for name, t in report["tenants"].items()}.keys() == {"a", "b"}
+    assert sum(t["requests"] for t in report["tenants"].values()) == 24
+    # each tenant's requests ran as that tenant: its API key chose it
+    snapshot = await send_command(daemon.control, m.Subscribe(ttl=1.0))
+    for name in ("a", "b"):
+        assert snapshot.detail.tenants[name].totals.finished == report["tenants"][name]["requests"]
+    # without a key the front refuses (even GET /v1/models): the bench says so and fails
+    assert refused.returncode == 2 and "401" in refused.stderr

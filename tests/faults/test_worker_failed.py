@@ -53,15 +53,25 @@ def test_a_worker_that_never_starts_at_boot_exits_with_the_worker_code(tmp_path)
     # nothing was served, so no KV was taken: there is no daemon left to ask
 
 
-async def _http(port: int, path: str) -> tuple[int, str]:
+async def _http(port: int, path: str, payload: dict | None = None) -> tuple[int, str]:
+    """GET `path`, or POST `payload` as JSON: (status, body)."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                     headers={"content-type": "application/json"})
+
     def get() -> tuple[int, str]:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
+            with urllib.request.urlopen(request, timeout=10) as reply:
                 return reply.status, reply.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
 
     return await trio.to_thread.run_sync(get)
+
+
+async def _model(port: int) -> str:
+    """The model the HTTP front serves."""
+    return json.loads((await _http(port, "/v1/models"))[1])["data"][0]["id"]
 
 
 async def _sluice(*args: str) -> subprocess.CompletedProcess:
@@ -82,9 +92,11 @@ async def test_a_worker_that_stops_starting_puts_the_daemon_in_a_failed_state(
     fault = tmp_path / "no-worker"
     process, fields = start_sluiced(
         ["--config", _config(tmp_path, fault), "--listen", "tcp://127.0.0.1:0",
-         "--control", f"ipc://{tmp_path}/control.sock", "--metrics-port", "0"],
+         "--control", f"ipc://{tmp_path}/control.sock", "--metrics-port", "0",
+         "--http", "127.0.0.1:0"],
         log=tmp_path / "sluiced.log", log_level="warning", timeout=240)
     listen, control, port = fields["listen"], fields["control"], int(fields["metrics"])
+    http_port = int(fields["http"].rsplit(":", 1)[1])
     try:
         with trio.fail_after(300):
             async with AsyncClient(listen) as client:
@@ -105,6 +117,13 @@ async def test_a_worker_that_stops_starting_puts_the_daemon_in_a_failed_state(
                     await client.generate("Hello", max_tokens=4)
                 code, body = await _http(port, "/health")
                 assert code == 503 and "failed" in body
+                code, body = await _http(http_port, "/health")  # the HTTP front's
+                assert code == 503 and "failed" in body
+                code, body = await _http(http_port, "/v1/completions", {
+                    "model": await _model(http_port), "prompt": "Hello", "max_tokens": 4})
+                error = json.loads(body)["error"]
+                assert (code, error["type"], error["code"]) == (503, "server_error",
+                                                                "worker_failed")
 
                 fault.unlink()  # the cause is gone; the retry is 600 s away: recover now
                 recover = await _sluice("recover", "--connect-control", control)

@@ -1,0 +1,391 @@
+"""The HTTP actor: an OpenAI-compatible front door beside the ZeroMQ gateway.
+
+hypercorn's trio worker serves a small ASGI app in this actor's nursery; the HTTP parsing,
+keep-alive and header limits are hypercorn's. Each HTTP request is its own stream: a Stream
+actor (the one ZeroMQ connections get, supervised as transient) whose client messages go to
+the request's own inbox instead of a socket (`DeliverSink`). So credits, watermarks, the
+pause timeout, the one terminal message and the release of everything on a vanished client
+are the Stream's, unchanged: the request grants a credit for each chunk once its bytes were
+handed to hypercorn (whose `send` waits while the socket is full), so a client that stops
+reading is paused and then timed out like a slow ZeroMQ client, and one that disconnects
+sends its stream `ClientGone`, which cancels the request and frees its KV.
+
+A request body is turned into the same `m.Generate` the gateway decodes
+(`actors.openai_api`), so validation, limits and rejections are the daemon's own; this
+actor adds only what HTTP has: API keys (`Authorization: Bearer`, compared in constant time,
+mapped to tenants, never logged), concurrent requests, body bytes and body read time (the
+`[http]` table), and the mapping of outcomes to statuses. `GET /health` asks the Scheduler.
+
+Asked (`Ask`), it says the address it bound or lists its live streams (for drain and
+reconcile); `Drain`/`EndDrain` make new requests 503 or admit them again. A connection whose
+client reads nothing is dropped by the kernel after `send_timeout` (`TCP_USER_TIMEOUT` on
+the listening socket), since hypercorn's writes cannot be cancelled.
+
+What does not belong here: the response of one generation (`actors.http_exchange`), the
+OpenAI shapes (`actors.openai_api`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import trio
+import zmq
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+
+from sluice.actors import messages as am
+from sluice.actors import openai_api as api
+from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
+from sluice.actors.control import Questions
+from sluice.actors.http_exchange import (
+    Exchange, header, send_error, send_json, send_text, serve_lifespan, server_log,
+    watch_disconnect,
+)  # fmt: skip
+from sluice.actors.reports import Endpoint, EndpointQuery
+from sluice.actors.stream import Stream
+from sluice.actors.supervisor import Supervisor
+from sluice.ipc import messages as m
+
+log = structlog.get_logger("sluice.http")
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """The `[http]` table: where the front listens, its limits and its API keys."""
+
+    listen: str | None = None  # "HOST:PORT"; None: no HTTP front
+    model_name: str | None = None  # what /v1/models lists and requests name; None: derived
+    max_concurrent_requests: int = 256  # over it: 429
+    max_header_bytes: int = 16 * 1024  # request line and headers (hypercorn's h11 limit)
+    max_body_bytes: int = 4 * 1024 * 1024  # over it: 413, refused before it is read in full
+    read_timeout: float = 30.0  # seconds to receive a request's body: over it, 408
+    keep_alive_timeout: float = 5.0  # an idle connection (or one slow to send headers) closes
+    # a connection whose client reads nothing (its window stays shut) this long is dropped by
+    # the kernel (TCP_USER_TIMEOUT); keep it above `[stream] pause_timeout`, which ends the
+    # request first
+    send_timeout: float = 60.0
+    retry_after: int = 1  # seconds, in `Retry-After` of 429 and 503
+    initial_credits: int = 4  # chunks a request may have in flight before it writes one
+    tenants: dict[str, Any] = field(default_factory=dict)  # tenant -> [API keys]
+    # a file of `TENANT KEY` lines; relative: a systemd credential ($CREDENTIALS_DIRECTORY)
+    tenant_keys_file: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrent_requests", "max_header_bytes", "max_body_bytes",
+                     "retry_after", "initial_credits"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"http.{name}: must be a positive integer, got {value!r}")
+        for name in ("read_timeout", "keep_alive_timeout", "send_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"http.{name}: must be a positive number, got {value!r}")
+        for tenant, keys in self.tenants.items():
+            if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
+                raise ValueError(f"http.tenants.{tenant}: must be a list of API keys")
+
+
+class DeliverSink:
+    """An HTTP request's stream sink: the typed messages, to the request's inbox."""
+
+    def __init__(self, inbox: Outbox):
+        self.inbox = inbox
+
+    def send(self, connection: bytes, messages: list) -> None:
+        # heartbeats are for ZeroMQ peers; an HTTP client's liveness is its TCP connection
+        items = tuple(msg for msg in messages if not isinstance(msg, m.Heartbeat))
+        if items:
+            self.inbox.put(am.Deliver(items))
+
+
+class KeyRing:
+    """API keys to tenants. Every lookup compares against every key, in constant time."""
+
+    def __init__(self, tenants: dict[str, list[str]]):
+        self._keys = [(key.encode(), tenant) for tenant, keys in tenants.items() for key in keys]
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def tenant(self, key: bytes) -> str | None:
+        found = None
+        for known, tenant in self._keys:
+            if hmac.compare_digest(known, key):
+                found = tenant
+        return found
+
+
+class _Gone(Exception):
+    """The HTTP client disconnected."""
+
+
+class _ServerConfig(HypercornConfig):
+    """hypercorn's settings, and the listening sockets' options."""
+
+    send_timeout: float = 60.0
+
+    def create_sockets(self):
+        sockets = super().create_sockets()
+        for listener in sockets.insecure_sockets:
+            # accepted connections inherit it. hypercorn's writes cannot be cancelled (they are
+            # shielded), so a client that never reads holds its request's task until the
+            # kernel gives up on the connection
+            listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                                int(self.send_timeout * 1000))
+        return sockets
+
+
+class HttpFront(Actor):
+    name = "http"
+
+    def __init__(self, settings: HttpSettings, *, supervisor: Supervisor,
+                 make_stream: Callable[[bytes, DeliverSink], Stream], scheduler: Outbox,
+                 model_name: str, max_model_len: int, heartbeat_interval: float = 1.0,
+                 inbox: Inbox | None = None):
+        super().__init__(inbox=inbox)
+        self.settings = settings
+        self.supervisor = supervisor
+        self.make_stream = make_stream
+        self.scheduler = scheduler
+        self.model_name = settings.model_name or model_name
+        self.max_model_len = max_model_len
+        self.heartbeat_interval = heartbeat_interval
+        self.keys = KeyRing(settings.tenants)
+        self.address: str | None = None  # HOST:PORT bound, kept across restarts
+        self.draining = False
+        # kept across restarts: a stream that outlives a crash still reports its close here
+        self.streams: dict[bytes, Stream] = {}
+        self.active = 0  # HTTP requests being answered
+        self.questions = Questions("http-replies")  # the scheduler's answers, for /health
+        self.askers = Outboxes()
+        self._request_numbers = itertools.count()
+
+    def handlers(self) -> dict[type, Handler]:
+        return {
+            am.StreamClosed: self.on_stream_closed,
+            am.Drain: self.on_drain,
+            am.EndDrain: self.on_end_drain,
+            am.Ask: self.on_ask,
+        }
+
+    def close(self) -> None:
+        super().close()
+        self.questions.close()
+        self.askers.close()
+        for stream in self.streams.values():
+            stream.close()
+
+    async def background(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self.questions.take_replies)
+        binds = await nursery.start(self._serve)
+        self.address = binds[0].removeprefix("http://")
+        log.info("http listening", address=self.address)
+
+    async def _serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        config = _ServerConfig()
+        config.send_timeout = self.settings.send_timeout
+        config.bind = [self.address or self.settings.listen]
+        config.h11_max_incomplete_size = self.settings.max_header_bytes
+        config.h2_max_header_list_size = self.settings.max_header_bytes
+        config.keep_alive_timeout = self.settings.keep_alive_timeout
+        config.include_server_header = False
+        config.accesslog = None  # a request's line is not for the journal
+        config.errorlog = server_log("sluice.http.server")
+        config.graceful_timeout = 1.0
+        await serve(self.asgi, config, shutdown_trigger=trio.sleep_forever,
+                    task_status=task_status)
+
+    # -- from actors ------------------------------------------------------------------------
+
+    async def on_stream_closed(self, msg: am.StreamClosed) -> None:
+        stream = self.streams.pop(msg.connection, None)
+        if stream is not None:
+            stream.inbox.put(am.StreamClosed(msg.connection))  # nothing more is routed to it
+
+    async def on_drain(self, msg: am.Drain) -> None:
+        self.draining = True
+
+    async def on_end_drain(self, msg: am.EndDrain) -> None:
+        self.draining = False
+
+    async def on_ask(self, msg: am.Ask) -> None:
+        if isinstance(msg.query, EndpointQuery):
+            self.askers.put(msg.reply_to, am.Reply(msg.token, Endpoint(self.address or "")))
+        elif isinstance(msg.query, am.ListConnections):
+            live = am.Connections(frozenset(self.streams),
+                                 tuple(stream.inbox.address for stream in self.streams.values()))
+            self.askers.put(msg.reply_to, am.Reply(msg.token, live))
+
+    async def on_crash(self, exc: BaseException) -> None:
+        for stream in self.streams.values():
+            stream.inbox.put(am.FailAll(f"http front failed: {type(exc).__name__}"))
+
+    # -- the ASGI app -----------------------------------------------------------------------
+
+    async def asgi(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "lifespan":
+            await serve_lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        try:
+            await self._route(scope, receive, send)
+        except api.ApiError as error:
+            await send_error(send, error)
+        except _Gone:
+            pass
+
+    async def _route(self, scope: dict, receive: Callable, send: Callable) -> None:
+        # hypercorn stops buffering headers past the limit, but a header block that arrived
+        # whole in one read is parsed whatever its size: refused here
+        limit = self.settings.max_header_bytes
+        if sum(len(name) + len(value) + 4 for name, value in scope["headers"]) > limit:
+            raise api.ApiError(431, f"the request's headers exceed http.max_header_bytes = "
+                               f"{limit}", code="headers_too_large")
+        method, path = scope["method"], scope["path"]
+        routes = {"/health": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST",
+                  "/v1/completions": "POST"}
+        if path not in routes:
+            raise api.ApiError(404, f"no route {path}", type="not_found_error")
+        if method != routes[path]:
+            raise api.ApiError(405, f"{path} takes {routes[path]}")
+        if path == "/health":
+            await self._health(send)
+            return
+        tenant = self._tenant(scope)
+        if path == "/v1/models":
+            await send_json(send, 200, {"object": "list", "data": [
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sluice",
+                 "max_model_len": self.max_model_len}]})
+            return
+        if self.draining:
+            raise api.ApiError(503, "the daemon is draining", type="server_error",
+                               code="draining", retry_after=self.settings.retry_after)
+        if self.active >= self.settings.max_concurrent_requests:
+            raise api.ApiError(429, "too many concurrent HTTP requests (http."
+                               f"max_concurrent_requests = "
+                               f"{self.settings.max_concurrent_requests})",
+                               type="rate_limit_error", code="overloaded",
+                               retry_after=self.settings.retry_after)
+        self.active += 1
+        try:
+            body = api.parse_body(await self._read_body(scope, receive))
+            await self._generate(path == "/v1/chat/completions", body, tenant, receive, send)
+        finally:
+            self.active -= 1
+
+    def _tenant(self, scope: dict) -> str:
+        """The tenant of the request's API key; `default` when no keys are configured."""
+        if not self.keys:
+            return "default"
+        scheme, _, key = header(scope, b"authorization").partition(b" ")
+        tenant = self.keys.tenant(key.strip()) if scheme.lower() == b"bearer" else None
+        if tenant is None:
+            raise api.ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                               type="authentication_error", code="invalid_api_key")
+        return tenant
+
+    async def _read_body(self, scope: dict, receive: Callable) -> bytes:
+        limit = self.settings.max_body_bytes
+        too_large = api.ApiError(413, f"the request body exceeds http.max_body_bytes = {limit}",
+                                 code="request_too_large")
+        length = header(scope, b"content-length")
+        if length.isdigit() and int(length) > limit:
+            raise too_large  # before a byte of it is read
+        parts, size = [], 0
+        with trio.move_on_after(self.settings.read_timeout) as timer:
+            while True:
+                event = await receive()
+                if event["type"] == "http.disconnect":
+                    raise _Gone
+                size += len(event.get("body", b""))
+                if size > limit:
+                    raise too_large  # a chunked body: nothing more of it is read
+                parts.append(event.get("body", b""))
+                if not event.get("more_body", False):
+                    break
+        if timer.cancelled_caught:
+            raise api.ApiError(408, "the request body did not arrive within "
+                               f"http.read_timeout = {self.settings.read_timeout} s",
+                               code="request_timeout")
+        return b"".join(parts)
+
+    async def _health(self, send: Callable) -> None:
+        try:
+            snapshot = await self.questions.ask(self.scheduler, lambda address, token: am.Ask(
+                m.StatusQuery(), address, token), 5.0)
+        except trio.TooSlowError:
+            await send_text(send, 503, "the scheduler does not answer")
+            return
+        report = snapshot.report
+        if report.state != "serving":
+            await send_text(send, 503, report.state)
+        elif report.worker.state != "ready":
+            failure = f": {report.worker.failure}" if report.worker.failure else ""
+            await send_text(send, 503, f"worker {report.worker.state}{failure}")
+        else:
+            await send_text(send, 200, "serving")
+
+    # -- one generation -----------------------------------------------------------------------
+
+    async def _generate(self, chat: bool, body: dict, tenant: str, receive: Callable,
+                        send: Callable) -> None:
+        connection = os.urandom(12)  # unguessable: no ZeroMQ client can name this connection
+        parse = api.chat_request if chat else api.completion_request
+        request = parse(body, request_id=str(next(self._request_numbers)), tenant=tenant,
+                        credits=self.settings.initial_credits, max_model_len=self.max_model_len)
+        if request.model != self.model_name:
+            raise api.ApiError(404, f"the model {request.model!r} does not exist; this server "
+                               f"serves {self.model_name!r}", type="not_found_error",
+                               param="model", code="model_not_found")
+        replies = stream = None
+        started = False
+        try:
+            try:
+                replies = Inbox(f"http-{connection.hex()}")
+                stream = self.make_stream(connection, DeliverSink(replies))
+            except zmq.ZMQError as exc:
+                if exc.errno not in RESOURCE_ERRNOS:
+                    raise
+                # out of descriptors: this request is refused, not the daemon
+                raise api.ApiError(429, "the daemon has no file descriptor left for another "
+                                   "request", type="rate_limit_error", code="overloaded",
+                                   retry_after=self.settings.retry_after) from None
+            self.streams[connection] = stream
+            await self.supervisor.start_child(stream, transient=True)
+            started = True
+            stream.inbox.put(request.generate)
+            exchange = Exchange(request, connection.hex(), stream.inbox, replies, send,
+                                 self.settings.retry_after)
+            refused: api.ApiError | None = None
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._heartbeats, stream.inbox)
+                nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)
+                try:
+                    await exchange.run()
+                except api.ApiError as error:  # answered below, outside the nursery
+                    refused = error
+                nursery.cancel_scope.cancel()
+            if refused is not None:
+                raise refused
+        finally:
+            # the stream ends; a request still running is cancelled and its KV released
+            if connection in self.streams:
+                self.streams[connection].inbox.put(am.ClientGone(connection))
+            elif stream is not None and not started:
+                stream.close()
+            if replies is not None:
+                replies.close()
+
+    async def _heartbeats(self, stream: Outbox) -> None:
+        """Keep the stream's silence timeout from firing while the HTTP client is connected."""
+        while True:
+            stream.put(m.Heartbeat())
+            await trio.sleep(self.heartbeat_interval)

@@ -1,0 +1,179 @@
+"""One HTTP generation's answer, and the ASGI responses the HTTP front and the metrics port
+send.
+
+`Exchange` turns the typed messages a request's Stream hands over (`Accepted`, `Chunk`,
+`Error`, `Finished`, or a `Rejected`) into the HTTP response: a completion object, or
+server-sent events written as they come, each chunk's credit given back once hypercorn took
+its bytes. The rest are small helpers over ASGI's `send`.
+
+What does not belong here: routing, limits, keys and streams (`actors.http`), the OpenAI
+shapes themselves (`actors.openai_api`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+
+import structlog
+import trio
+
+from sluice.actors import openai_api as api
+from sluice.actors.base import Inbox, Outbox
+from sluice.ipc import messages as m
+
+_JSON = (b"content-type", b"application/json")
+
+
+class Exchange:
+    """One request's answer: the stream's messages in, the HTTP response out."""
+
+    def __init__(self, request: api.ApiRequest, request_id: str, stream: Outbox,
+                 replies: Inbox, send: Callable, retry_after: int):
+        self.request = request
+        self.request_id = request_id
+        self.stream = stream
+        self.replies = replies
+        self.send = send
+        self.retry_after = retry_after
+        self.created = api.now()
+        self.prompt_tokens = 0
+        self.started = False  # the SSE response's head was sent
+        self.text: list[str] = []  # the non-streamed answer
+        self.error = ""
+
+    async def run(self) -> None:
+        while True:
+            deliver = await self.replies.get()
+            for item in deliver.messages:
+                if await self._take(item):
+                    return
+
+    async def _take(self, item: object) -> bool:
+        """Handle one message of the stream; True once the request ended."""
+        if isinstance(item, m.Accepted):
+            self.prompt_tokens = item.prompt_tokens
+            if self.request.stream:
+                await self._start()
+        elif isinstance(item, m.Chunk):
+            if self.request.stream:
+                if item.text:
+                    await self._body(api.stream_event(self.request, self.request_id,
+                                                      self.created, item.text, None))
+            else:
+                self.text.append(item.text)
+            # granted once the bytes are with hypercorn: a full socket withholds it
+            self.stream.put(m.Credit(item.request_id, 1))
+        elif isinstance(item, m.Error):
+            self.error = item.message
+        elif isinstance(item, m.Rejected):
+            raise api.rejected_error(item, self.retry_after)
+        elif isinstance(item, m.Finished):
+            await self._finish(item)
+            return True
+        return False
+
+    async def _start(self) -> None:
+        self.started = True
+        await self.send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        if self.request.chat:  # OpenAI's first delta names the role
+            await self._body(api.stream_event(self.request, self.request_id, self.created,
+                                              "", None, first=True))
+
+    async def _body(self, data: bytes, more: bool = True) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def _finish(self, finished: m.Finished) -> None:
+        reason = finished.reason
+        if reason not in (m.FinishReason.STOP, m.FinishReason.LENGTH):
+            error = api.ended_error(reason, self.error)
+            if not self.started:
+                raise error
+            await self._body(api.sse(error.body()), more=False)
+            return
+        used = api.usage(self.prompt_tokens, finished)
+        finish = api.finish_reason(reason)
+        if not self.request.stream:
+            await send_json(self.send, 200, api.completion_body(
+                self.request, self.request_id, self.created, "".join(self.text), finish, used))
+            return
+        events = api.stream_event(self.request, self.request_id, self.created, None, finish)
+        if self.request.include_usage:
+            events += api.stream_event(self.request, self.request_id, self.created, None, None,
+                                       used=used)
+        await self._body(events + api.SSE_DONE, more=False)
+
+
+async def watch_disconnect(receive: Callable, scope: trio.CancelScope) -> None:
+    """End the exchange when the client goes (its stream is told by the caller's `finally`)."""
+    while True:
+        event = await receive()
+        if event["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+async def serve_lifespan(receive: Callable, send: Callable) -> None:
+    """Answer an ASGI server's lifespan events: this app needs no startup or shutdown."""
+    while True:
+        event = await receive()
+        if event["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif event["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def header(scope: dict, name: bytes) -> bytes:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return value
+    return b""
+
+
+async def send_json(send: Callable, status: int, payload: dict,
+                     headers: list[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [_JSON, (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_text(send: Callable, status: int, text: str) -> None:
+    body = text.encode() + b"\n"
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"text/plain; charset=utf-8"),
+        (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Callable, error: api.ApiError) -> None:
+    headers = []
+    if error.retry_after is not None:
+        headers.append((b"retry-after", str(error.retry_after).encode()))
+    if error.status == 413:  # the rest of the body is never read: this connection is done
+        headers.append((b"connection", b"close"))
+    await send_json(send, error.status, error.body(), headers)
+
+
+class _ToStructlog(logging.Handler):
+    """hypercorn's own lines (a protocol error, an app that raised) in the daemon's logs."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = {}
+        if record.exc_info:
+            fields["exception"] = logging.Formatter().formatException(record.exc_info)
+        level = "error" if record.levelno >= logging.ERROR else (
+            "warning" if record.levelno >= logging.WARNING else "debug")
+        getattr(structlog.get_logger(record.name), level)(record.getMessage(), **fields)
+
+
+def server_log(name: str) -> logging.Logger:
+    """The standard logger to give hypercorn as its error log."""
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        logger.addHandler(_ToStructlog())
+        logger.propagate = False
+    return logger

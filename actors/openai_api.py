@@ -1,0 +1,342 @@
+"""The OpenAI HTTP API in sluice's terms: request bodies to `Generate`, outcomes to responses.
+
+A request body becomes the same typed `m.Generate` the ZeroMQ front decodes, so its values
+are judged once, by the same code (`SamplingParams`, `intake`, the Tokenizer and the
+scheduler core); what is checked here is only what OpenAI's shape adds: types of the JSON
+values, the parameters we do not support (refused by name, never ignored) and the mapping of
+OpenAI's names to ours. An outcome (`Rejected`, `Error`, `Finished`) becomes an HTTP status
+and OpenAI's error body `{"error": {"message", "type", "param", "code"}}`, and the chunks
+become completion objects or server-sent events.
+
+Pure functions and values: no trio, no sockets, no actor. The HTTP actor (`actors.http`)
+does the I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.ipc import messages as m
+from sluice.ipc.vocabulary import FinishReason, InvalidParams, RejectCode, SamplingParams
+
+# refused by name: a client that relies on one of them must not get a silent wrong answer
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
+               "echo", "best_of", "logprobs", "top_logprobs", "logit_bias", "suffix",
+               "parallel_tool_calls", "audio", "modalities", "prediction")
+# accepted and without effect on the output
+IGNORED = ("user", "store", "metadata", "service_tier")
+# ours: extensions both endpoints take, as vLLM spells them
+EXTENSIONS = ("top_k", "min_p", "ignore_eos", "priority", "repetition_penalty")
+_COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
+           "stop", "n", "presence_penalty", "frequency_penalty", *EXTENSIONS, *IGNORED)
+CHAT_PARAMETERS = frozenset((*_COMMON, "messages", "max_completion_tokens"))
+COMPLETION_PARAMETERS = frozenset((*_COMMON, "prompt"))
+CHAT_ROLES = ("system", "user", "assistant", "developer")
+
+
+class ApiError(Exception):
+    """An outcome that is an HTTP error: status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after  # seconds, sent as `Retry-After`
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(param: str | None, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}" if param else message, param=param)
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """A parsed request body: what to generate, and how to answer."""
+
+    generate: m.Generate
+    chat: bool
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last event with the usage
+    model: str
+
+
+# -- request bodies -------------------------------------------------------------------------
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid(None, f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise invalid(None, "the body must be a JSON object")
+    return body
+
+
+def chat_request(body: dict[str, Any], *, request_id: str, tenant: str, credits: int,
+                 max_model_len: int) -> ApiRequest:
+    _refuse_unknown(body, CHAT_PARAMETERS)
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise invalid("messages", "must be a list of messages")
+    chat = tuple(_chat_message(i, message) for i, message in enumerate(messages))
+    return _request(body, request_id, tenant, credits, max_model_len, chat=True,
+                    messages=chat)
+
+
+def completion_request(body: dict[str, Any], *, request_id: str, tenant: str, credits: int,
+                       max_model_len: int) -> ApiRequest:
+    _refuse_unknown(body, COMPLETION_PARAMETERS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return _request(body, request_id, tenant, credits, max_model_len, chat=False,
+                        prompt=prompt)
+    if isinstance(prompt, list) and all(_is_int(token) for token in prompt):
+        return _request(body, request_id, tenant, credits, max_model_len, chat=False,
+                        prompt_ids=tuple(prompt))
+    raise invalid("prompt", "must be a string or a list of token ids (one prompt per request)")
+
+
+def _refuse_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
+    for name in UNSUPPORTED:
+        if name in body and body[name] not in (None, False):
+            raise invalid(name, "is not supported by this server")
+    for name in body:
+        if name not in known and name not in UNSUPPORTED:
+            raise invalid(name, "unknown parameter")
+
+
+def _chat_message(index: int, message: Any) -> m.ChatMessage:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise invalid(where, "must be an object with role and content")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise invalid(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}")
+    for name in message:
+        if name not in ("role", "content", "name"):
+            raise invalid(f"{where}.{name}", "is not supported by this server")
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise invalid(f"{where}.content[{i}]", "only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"{where}.content[{i}].text", "must be a string")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise invalid(f"{where}.content", "must be a string or a list of text parts")
+    return m.ChatMessage("system" if role == "developer" else role, content)
+
+
+def _request(body: dict[str, Any], request_id: str, tenant: str, credits: int,
+             max_model_len: int, *, chat: bool, **prompt: Any) -> ApiRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "must name the model (see GET /v1/models)")
+    stream = _typed(body, "stream", bool, False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options", "is only allowed with stream: true")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise invalid("stream_options", "only include_usage is supported")
+        include_usage = _typed(options, "include_usage", bool, False, "stream_options.")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise invalid("n", "only n = 1 is supported")
+    generate = m.Generate(request_id, sampling=_sampling(body, chat, max_model_len),
+                          priority=_typed(body, "priority", int, 0), tenant=tenant,
+                          credits=credits, **prompt)
+    return ApiRequest(generate, chat, stream, include_usage, model)
+
+
+def _sampling(body: dict[str, Any], chat: bool, max_model_len: int) -> SamplingParams:
+    max_tokens = body.get("max_tokens")
+    name = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens, name = body["max_completion_tokens"], "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens = max_model_len  # up to the context, what the scheduler clamps it to
+    elif not _is_int(max_tokens):
+        raise invalid(name, "must be an integer")
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = tuple(stop)
+    else:
+        raise invalid("stop", "must be a string or a list of strings")
+    values = {"max_tokens": max_tokens, "stop": stop}
+    for key in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty"):
+        if body.get(key) is not None:
+            values[key] = _number(body, key)
+    for key in ("top_k", "seed"):
+        if body.get(key) is not None:
+            values[key] = _typed(body, key, int, None)
+    if body.get("top_k") == -1:
+        values["top_k"] = 0  # vLLM's spelling of "no top-k cut"
+    if body.get("ignore_eos") is not None:
+        values["ignore_eos"] = _typed(body, "ignore_eos", bool, False)
+    try:
+        return SamplingParams(**values)
+    except InvalidParams as exc:
+        param = name if exc.field == "max_tokens" else exc.field
+        raise invalid(param, exc.message) from None
+
+
+def _typed(body: dict[str, Any], key: str, kind: type, default: Any, prefix: str = "") -> Any:
+    value = body.get(key)
+    if value is None:
+        return default
+    if kind is int and _is_int(value):
+        return value
+    if kind is bool and isinstance(value, bool):
+        return value
+    raise invalid(prefix + key, f"must be {'an integer' if kind is int else 'a boolean'}")
+
+
+def _number(body: dict[str, Any], key: str) -> float:
+    value = body[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid(key, "must be a number")
+    return float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# -- outcomes -------------------------------------------------------------------------------
+
+
+def param_name(field: str) -> str | None:
+    """The OpenAI parameter a sluice field (`Rejected.field`) is about, None for none."""
+    if not field:
+        return None
+    name = field.removeprefix("sampling.").split("[", 1)[0]
+    if name in ("prompt_ids", "prompt_token_ids"):
+        return "prompt"
+    if name in ("request_id", "connection", "connections", "max_requests_per_connection",
+                "frame", "credits", "worker"):
+        return None
+    return name
+
+
+def rejected_error(rejected: m.Rejected, retry_after: int) -> ApiError:
+    """The HTTP error a `Rejected` is (the README's table)."""
+    code, param = rejected.code, param_name(rejected.field)
+    if code is RejectCode.TOO_LONG:
+        return ApiError(400, rejected.message, param=param, code="context_length_exceeded")
+    if code is RejectCode.UNAUTHORIZED:
+        return ApiError(401, rejected.message, type="authentication_error",
+                        code="invalid_api_key")
+    if code is RejectCode.DRAINING:
+        return ApiError(503, rejected.message, type="server_error", code="draining",
+                        retry_after=retry_after)
+    if code is RejectCode.OVERLOADED and rejected.field == "worker":
+        return ApiError(503, rejected.message, type="server_error", code="worker_failed",
+                        retry_after=retry_after)
+    if code is RejectCode.OVERLOADED:
+        return ApiError(429, rejected.message, type="rate_limit_error", code="overloaded",
+                        param=param, retry_after=retry_after)
+    if code is RejectCode.QUOTA:
+        return ApiError(429, rejected.message, type="rate_limit_error", code="quota_exceeded",
+                        retry_after=retry_after)
+    return ApiError(400, rejected.message, param=param)
+
+
+def ended_error(reason: FinishReason, message: str) -> ApiError:
+    """The error of a request that ended without a `stop` or `length`."""
+    if reason is FinishReason.TIMEOUT:
+        return ApiError(408, message or "the client did not read the response in time: "
+                        "the request timed out", type="timeout_error", code="timeout")
+    if reason is FinishReason.CANCELLED:
+        return ApiError(503, message or "the request was cancelled in the daemon",
+                        type="server_error", code="cancelled")
+    return ApiError(500, message or "the request failed in the daemon", type="server_error",
+                    code=reason.name.lower())
+
+
+def finish_reason(reason: FinishReason) -> str:
+    return "length" if reason is FinishReason.LENGTH else "stop"
+
+
+def usage(accepted_prompt: int, finished: m.Finished | None) -> dict[str, Any]:
+    used = finished.usage if finished is not None else m.Usage()
+    prompt = used.prompt_tokens or accepted_prompt
+    return {"prompt_tokens": prompt, "completion_tokens": used.completion_tokens,
+            "total_tokens": prompt + used.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": used.cached_tokens}}
+
+
+# -- response bodies ------------------------------------------------------------------------
+
+
+def response_id(chat: bool, request_id: str) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+
+
+def completion_body(request: ApiRequest, request_id: str, created: int, text: str,
+                    reason: str, used: dict[str, Any]) -> dict[str, Any]:
+    if request.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    return {"id": response_id(request.chat, request_id),
+            "object": "chat.completion" if request.chat else "text_completion",
+            "created": created, "model": request.model, "choices": [choice], "usage": used}
+
+
+def stream_event(request: ApiRequest, request_id: str, created: int, text: str | None,
+                 reason: str | None, *, first: bool = False,
+                 used: dict[str, Any] | None = None) -> bytes:
+    """One server-sent event: a text delta, the finish reason, or (no choice) the usage."""
+    choices: list[dict[str, Any]] = []
+    if used is None:
+        if request.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
+        else:
+            choices = [{"index": 0, "text": text or "", "logprobs": None,
+                        "finish_reason": reason}]
+    event: dict[str, Any] = {
+        "id": response_id(request.chat, request_id),
+        "object": "chat.completion.chunk" if request.chat else "text_completion",
+        "created": created, "model": request.model, "choices": choices}
+    if request.include_usage:
+        event["usage"] = used
+    return sse(event)
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def now() -> int:
+    return int(time.time())
