@@ -32,7 +32,7 @@ from sluice.actors import messages as am
 from sluice.actors.executor import worker
 from sluice.actors.registry import CODEC
 from sluice.ipc import messages as m
-from sluice.ipc.sockets import EVENTS, POLLIN, Socket, context
+from sluice.ipc.sockets import POLLIN, Socket, context
 
 log = structlog.get_logger("sluice.actors")
 
@@ -187,10 +187,6 @@ class Inbox(Outbox):
         Raises `trio.ClosedResourceError` once the inbox is closed."""
         if self._receiver.closed:
             raise trio.ClosedResourceError(f"the inbox of {self.name} is closed")
-        # EVENTS first: an empty inbox is the common case between steps, and a failed recv
-        # costs an exception pyzmq builds with its message
-        if not self._receiver.zmq.get(EVENTS) & POLLIN:
-            raise trio.WouldBlock
         try:
             frame = self._receiver.zmq.recv(zmq.NOBLOCK)
         except zmq.Again:
