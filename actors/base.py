@@ -32,7 +32,7 @@ from sluice.actors import messages as am
 from sluice.actors.executor import worker
 from sluice.actors.registry import CODEC
 from sluice.ipc import messages as m
-from sluice.ipc.sockets import Socket, context
+from sluice.ipc.sockets import POLLIN, Socket, context
 
 log = structlog.get_logger("sluice.actors")
 
@@ -202,7 +202,7 @@ class Inbox(Outbox):
                 msg = self.get_nowait()
             except trio.WouldBlock:
                 self._in_a_row = 0
-                await self._receiver.wait_for(zmq.POLLIN)
+                await self._receiver.wait_for(POLLIN)
                 continue
             self._in_a_row += 1
             if self._in_a_row >= _FAIR_SHARE:

@@ -193,11 +193,16 @@ class Stream(Actor):
     # -- from the tokenizer -----------------------------------------------------------------
 
     async def on_deliver(self, msg: am.Deliver) -> None:
+        requests, send = self.requests, self._send
         for item in msg.messages:
-            request = self.requests.get(item.request_id)
+            request = requests.get(item.request_id)
             if request is None:
                 continue  # ended already (cancelled, failed); late output is dropped
             if isinstance(item, m.Chunk):
+                if request.credits > 0 and not request.buffer and request.paused_since is None:
+                    request.credits -= 1  # the common case: nothing waits, a credit is there
+                    send(item)
+                    continue
                 request.buffer.append(item)
                 self._flush(request)
             elif isinstance(item, m.Finished):

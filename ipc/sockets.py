@@ -48,6 +48,9 @@ class PeerFull(PeerGone):
 
 
 _context: zmq.Context | None = None
+# plain ints: `&` between pyzmq's flag enums goes through enum machinery, on every wait
+EVENTS = int(zmq.EVENTS)
+POLLIN = int(zmq.POLLIN)
 MAX_SOCKETS = 65536
 
 
@@ -165,7 +168,8 @@ class Socket:
     async def wait_for(self, mask: int) -> None:
         """Sleep until `EVENTS` has `mask` (zmq.POLLIN or POLLOUT) set."""
         # Reading EVENTS also re-arms the edge-triggered FD, so check it before every sleep.
-        while self._closed or not self.zmq.getsockopt(zmq.EVENTS) & mask:
+        mask = int(mask)
+        while self._closed or not self.zmq.get(EVENTS) & mask:
             if self._closed:
                 raise trio.ClosedResourceError("socket closed")
             if self._waiter_done is not None:

@@ -33,6 +33,8 @@ class IncrementalDetokenizer:
         delta = self._decode_new(token_ids)
         if not delta:
             return ""
+        if not self._stop:  # nothing is ever held back
+            return self._emit(delta)
         buffer = self._held + delta
         match = self._first_stop(buffer)
         if match is not None:
@@ -56,6 +58,8 @@ class IncrementalDetokenizer:
 
     def _decode_new(self, token_ids: list[int]) -> str:
         step, backend = self._stream.step, self._backend
+        if len(token_ids) == 1:  # a decode step's one token: no generator, no join
+            return step(backend, token_ids[0]) or ""
         return "".join(piece for token in token_ids if (piece := step(backend, token)) is not None)
 
     def _first_stop(self, buffer: str) -> int | None:
