@@ -4,7 +4,9 @@ terminal, never land inside it), the daemon keeps serving, and Ctrl-C stops it c
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import selectors
 import signal
 import subprocess
@@ -43,7 +45,8 @@ def test_make_run_answers_and_keeps_serving_until_ctrl_c(tmp_path) -> None:
     demo = subprocess.Popen(
         [sys.executable, "-m", "sluice.daemon.demo", "--listen", "tcp://127.0.0.1:0",
          "--control", control],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)  # its daemon in its group: a failed test leaves no daemon
     try:
         lines = _lines_until(demo, "keeps serving", 240)
         asked = lines.index(f"> {QUESTION}")
@@ -56,6 +59,6 @@ def test_make_run_answers_and_keeps_serving_until_ctrl_c(tmp_path) -> None:
         demo.send_signal(signal.SIGINT)
         assert demo.wait(timeout=60) == 0
     finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(demo.pid, signal.SIGKILL)
+        demo.wait()
