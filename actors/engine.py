@@ -17,6 +17,7 @@ from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
 from sluice.actors.scheduler.errors import InvalidRequest
 from sluice.actors.scheduler.plan import InvalidParams, RequestOutput, SamplingParams, StepResult
 from sluice.actors.text import RequestText, Tokenizer, load_tokenizer
+from sluice.ipc.messages import TokenLogprobs
 from sluice.ipc.vocabulary import FinishReason
 
 
@@ -40,6 +41,8 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     usage: dict = field(default_factory=dict)
+    # one per token id when the request asked for `sampling.logprobs`, as the daemon sends them
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -137,6 +140,8 @@ class Engine:
                 stopped.new_token_ids = out.new_token_ids
                 out = stopped
         completion.token_ids.extend(out.new_token_ids)
+        if out.logprobs:
+            completion.logprobs = [*(completion.logprobs or ()), *text.logprobs(out.logprobs)]
         usage = None
         if out.finished:
             delta += text.end(out.finish_reason)

@@ -41,6 +41,8 @@ class Exchange:
         self.prompt_tokens = 0
         self.started = False  # the SSE response's head was sent
         self.text: list[str] = []  # the non-streamed answer
+        self.logprobs: list[m.TokenLogprobs] = []  # the non-streamed answer's, when asked
+        self.text_offset = 0  # where the next streamed token's text starts (completions)
         self.error = ""
 
     async def run(self) -> None:
@@ -58,11 +60,10 @@ class Exchange:
                 await self._start()
         elif isinstance(item, m.Chunk):
             if self.request.stream:
-                if item.text:
-                    await self._body(api.stream_event(self.request, self.request_id,
-                                                      self.created, item.text, None))
+                await self._stream_chunk(item)
             else:
                 self.text.append(item.text)
+                self.logprobs.extend(item.logprobs or ())
             # granted once the bytes are with hypercorn: a full socket withholds it
             self.stream.put(m.Credit(item.request_id, 1))
         elif isinstance(item, m.Error):
@@ -73,6 +74,17 @@ class Exchange:
             await self._finish(item)
             return True
         return False
+
+    async def _stream_chunk(self, chunk: m.Chunk) -> None:
+        """One event for the chunk; a chunk without text (a piece of a character) makes one
+        only to carry its tokens' logprobs."""
+        tokens = list(chunk.logprobs or ())
+        if not chunk.text and not tokens:
+            return
+        logprobs = api.logprobs_body(self.request, tokens, self.text_offset)
+        self.text_offset += sum(len(t.token) for t in tokens)
+        await self._body(api.stream_event(self.request, self.request_id, self.created,
+                                          chunk.text, None, logprobs=logprobs))
 
     async def _start(self) -> None:
         self.started = True
@@ -97,7 +109,8 @@ class Exchange:
         finish = api.finish_reason(reason)
         if not self.request.stream:
             await send_json(self.send, 200, api.completion_body(
-                self.request, self.request_id, self.created, "".join(self.text), finish, used))
+                self.request, self.request_id, self.created, "".join(self.text), finish, used,
+                api.logprobs_body(self.request, self.logprobs)))
             return
         events = api.stream_event(self.request, self.request_id, self.created, None, finish)
         if self.request.include_usage:

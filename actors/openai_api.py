@@ -24,7 +24,7 @@ from sluice.ipc.vocabulary import FinishReason, InvalidParams, RejectCode, Sampl
 
 # refused by name: a client that relies on one of them must not get a silent wrong answer
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
-               "echo", "best_of", "logprobs", "top_logprobs", "logit_bias", "suffix",
+               "echo", "best_of", "logit_bias", "suffix",
                "parallel_tool_calls", "audio", "modalities", "prediction")
 # accepted and without effect on the output
 IGNORED = ("user", "store", "metadata", "service_tier")
@@ -32,8 +32,10 @@ IGNORED = ("user", "store", "metadata", "service_tier")
 EXTENSIONS = ("top_k", "min_p", "ignore_eos", "priority", "repetition_penalty")
 _COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
            "stop", "n", "presence_penalty", "frequency_penalty", *EXTENSIONS, *IGNORED)
-CHAT_PARAMETERS = frozenset((*_COMMON, "messages", "max_completion_tokens"))
-COMPLETION_PARAMETERS = frozenset((*_COMMON, "prompt"))
+CHAT_PARAMETERS = frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs",
+                             "top_logprobs"))
+COMPLETION_PARAMETERS = frozenset((*_COMMON, "prompt", "logprobs"))
+MAX_LOGPROBS = 20  # alternatives per token, as `SamplingParams` allows
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -69,6 +71,11 @@ class ApiRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last event with the usage
     model: str
+
+    @property
+    def logprobs(self) -> bool:
+        """The answer carries logprobs (the request asked for them)."""
+        return self.generate.sampling.logprobs is not None
 
 
 # -- request bodies -------------------------------------------------------------------------
@@ -197,11 +204,29 @@ def _sampling(body: dict[str, Any], chat: bool, max_model_len: int) -> SamplingP
         values["top_k"] = 0  # vLLM's spelling of "no top-k cut"
     if body.get("ignore_eos") is not None:
         values["ignore_eos"] = _typed(body, "ignore_eos", bool, False)
+    values["logprobs"] = _logprobs(body, chat)
     try:
         return SamplingParams(**values)
     except InvalidParams as exc:
         param = name if exc.field == "max_tokens" else exc.field
         raise invalid(param, exc.message) from None
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives per token the answer lists, None for no logprobs at all. Chat
+    asks with `logprobs: true` and `top_logprobs: N`; completions with `logprobs: N`."""
+    if not chat:
+        top = _typed(body, "logprobs", int, None)
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise invalid("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
+        return top
+    wanted = _typed(body, "logprobs", bool, False)
+    top = _typed(body, "top_logprobs", int, None)
+    if top is not None and not wanted:
+        raise invalid("top_logprobs", "needs logprobs: true")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
+    return (top or 0) if wanted else None
 
 
 def _typed(body: dict[str, Any], key: str, kind: type, default: Any, prefix: str = "") -> Any:
@@ -296,13 +321,50 @@ def response_id(chat: bool, request_id: str) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
 
 
+def logprobs_body(request: ApiRequest, tokens: list[m.TokenLogprobs],
+                  text_offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's `logprobs` of a choice for these tokens (None when none were asked for).
+
+    Chat: `{"content": [{token, logprob, bytes, top_logprobs}], "refusal"}`. Completions:
+    the legacy columns, where each `top_logprobs` map also holds the sampled token (as vLLM
+    does) and `text_offset` counts characters of the token texts from `text_offset`."""
+    if not request.logprobs:
+        return None
+    if request.chat:
+        return {"content": [_chat_logprob(t) for t in tokens], "refusal": None}
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token.token)
+    return {"tokens": [t.token for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [_top_map(t) for t in tokens],
+            "text_offset": offsets}
+
+
+def _top_map(token: m.TokenLogprobs) -> dict[str, float]:
+    """Text -> logprob, most likely first; two tokens of one text keep the likelier."""
+    top: dict[str, float] = {}
+    for alternative in token.top:
+        top.setdefault(alternative.token, alternative.logprob)
+    top.setdefault(token.token, token.logprob)
+    return top
+
+
+def _chat_logprob(token: m.TokenLogprobs) -> dict[str, Any]:
+    return {"token": token.token, "logprob": token.logprob, "bytes": list(token.token.encode()),
+            "top_logprobs": [{"token": a.token, "logprob": a.logprob,
+                              "bytes": list(a.token.encode())} for a in token.top]}
+
+
 def completion_body(request: ApiRequest, request_id: str, created: int, text: str,
-                    reason: str, used: dict[str, Any]) -> dict[str, Any]:
+                    reason: str, used: dict[str, Any],
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if request.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": reason}
+                  "logprobs": logprobs, "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
     return {"id": response_id(request.chat, request_id),
             "object": "chat.completion" if request.chat else "text_completion",
             "created": created, "model": request.model, "choices": [choice], "usage": used}
@@ -310,17 +372,20 @@ def completion_body(request: ApiRequest, request_id: str, created: int, text: st
 
 def stream_event(request: ApiRequest, request_id: str, created: int, text: str | None,
                  reason: str | None, *, first: bool = False,
-                 used: dict[str, Any] | None = None) -> bytes:
-    """One server-sent event: a text delta, the finish reason, or (no choice) the usage."""
+                 used: dict[str, Any] | None = None,
+                 logprobs: dict[str, Any] | None = None) -> bytes:
+    """One server-sent event: a text delta (with its tokens' logprobs), the finish reason, or
+    (no choice) the usage."""
     choices: list[dict[str, Any]] = []
     if used is None:
         if request.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
-            choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
+            choices = [{"index": 0, "delta": delta, "logprobs": logprobs,
+                        "finish_reason": reason}]
         else:
-            choices = [{"index": 0, "text": text or "", "logprobs": None,
+            choices = [{"index": 0, "text": text or "", "logprobs": logprobs,
                         "finish_reason": reason}]
     event: dict[str, Any] = {
         "id": response_id(request.chat, request_id),

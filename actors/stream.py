@@ -322,8 +322,8 @@ def _merge(chunks: deque[m.Chunk]) -> m.Chunk:
         return chunks[0]
     first = chunks[0]
     logprobs = None
-    if all(c.logprobs is not None for c in chunks):
-        logprobs = tuple(lp for c in chunks for lp in c.logprobs)
+    if any(c.logprobs is not None for c in chunks):  # the held text released at the end has none
+        logprobs = tuple(lp for c in chunks for lp in c.logprobs or ())
     return m.Chunk(
         first.request_id,
         "".join(c.text for c in chunks),

@@ -352,9 +352,7 @@ class Tokenizer(Actor):
             if not state.first_token_at:
                 state.first_token_at = now
             text = state.text.push(out.new_token_ids)
-            logprobs = None
-            if out.logprobs:
-                logprobs = tuple(float(t.logprob or 0.0) for t in out.logprobs)
+            logprobs = state.text.logprobs(out.logprobs) if out.logprobs else None
             sent.append(m.Chunk(state.client_id, text, tuple(out.new_token_ids), logprobs))
             if state.text.stopped:
                 self.scheduler.put(am.StopMatched(out.request_id))

@@ -46,6 +46,8 @@ class GenerationResult:
     usage: m.Usage
     timings: m.Timings
     error: str | None = None  # the daemon's message when finish_reason is "error"
+    # one per token id when the request asked for logprobs: its text, logprob and alternatives
+    logprobs: list[m.TokenLogprobs] | None = None
 
 
 @dataclass
@@ -66,6 +68,7 @@ class AsyncGeneration:
         self._recv = recv
         self._text: list[str] = []
         self._ids: list[int] = []
+        self._logprobs: list[m.TokenLogprobs] | None = None
         self._ungranted = 0
         self._error: str | None = None
         self._result: GenerationResult | None = None
@@ -89,6 +92,8 @@ class AsyncGeneration:
             if isinstance(item, m.Chunk):
                 self._text.append(item.text)
                 self._ids.extend(item.token_ids)
+                if item.logprobs is not None:
+                    self._logprobs = [*(self._logprobs or ()), *item.logprobs]
                 await self._grant()
                 return item
             if isinstance(item, m.Finished):
@@ -118,7 +123,7 @@ class AsyncGeneration:
     def _finish(self, item: m.Finished) -> None:
         self._result = GenerationResult(
             self.request_id, item.reason.name.lower(), "".join(self._text), self._ids,
-            item.usage, item.timings, self._error,
+            item.usage, item.timings, self._error, self._logprobs,
         )
         self._client._forget(self.request_id)
 
@@ -180,15 +185,20 @@ class AsyncClient:
         prompt_ids: Sequence[int] | None = None, max_tokens: int = 16, temperature: float = 1.0,
         top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
         stop: Sequence[str] = (), ignore_eos: bool = False, priority: int = 0,
-        tenant: str | None = None, stop_token_ids: Sequence[int] = (),
+        tenant: str | None = None, stop_token_ids: Sequence[int] = (), logprobs: bool = False,
+        top_logprobs: int = 0,
     ) -> AsyncGeneration:
-        """Send a request and wait until the daemon accepts it; raise if it refuses."""
+        """Send a request and wait until the daemon accepts it; raise if it refuses.
+
+        `logprobs` asks for each sampled token's logprob, `top_logprobs` (which implies it)
+        for that many of the most likely tokens at each position as well."""
         rid = str(next(self._ids))
         try:  # refused here as the daemon would refuse it, without a round trip
             sampling = SamplingParams(
                 max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                 top_k=top_k, min_p=float(min_p), seed=seed, stop=tuple(stop),
-                stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
+                stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+                logprobs=top_logprobs if logprobs or top_logprobs else None)
         except InvalidParams as exc:
             raise InvalidRequestError(exc.message, field=f"sampling.{exc.field}",
                                       request_id=rid) from None

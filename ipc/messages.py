@@ -31,7 +31,10 @@ PROTOCOL_MAJOR = 1
 # 1.2: `ControlSnapshot.detail` is a typed `ConsoleDetail` instead of free-form maps; a 1.1
 #      console cannot read it (and a 1.2 console refuses a 1.1 daemon's detail)
 # 1.3: `InjectFault.target` names the connection a `vanish_stream` fault drops
-PROTOCOL_MINOR = 3
+# 1.4: `Chunk.logprobs` holds a `TokenLogprobs` per token (its text and the most likely
+#      alternatives) instead of a bare float; only a request that asked for `logprobs` gets
+#      one, and a 1.3 peer that asked (its client library could not) cannot read it
+PROTOCOL_MINOR = 4
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 
@@ -42,6 +45,26 @@ PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 class ChatMessage:
     role: str  # system | user | assistant
     content: str
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One of the most likely tokens at a sampled position."""
+
+    token_id: int
+    token: str  # the token's text alone (a lone piece of a UTF-8 character shows as U+FFFD)
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token under the model: the log-softmax of the position's raw logits (before
+    temperature, penalties or any cut), the token's text alone, and the `logprobs` most
+    likely tokens there, most likely first."""
+
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,7 +154,8 @@ class Chunk:
     request_id: str
     text: str  # never splits a UTF-8 character, never contains a stop string
     token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...] | None = None
+    # one per token id, when the request asked for `sampling.logprobs`
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -226,4 +226,5 @@ def offline_greedy():
 
     greedy.batch = batch
     greedy.tokenizer = engine.tokenizer
+    greedy.engine = engine  # for what the cache does not keep (logprobs)
     return greedy

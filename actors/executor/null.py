@@ -62,7 +62,7 @@ class NullExecutor(Actor):
         plan = decode_plan(frame.frame)
         cycle = self.token_cycle
         sampled = {
-            seq.request_id: SampledToken(cycle[seq.num_generated % len(cycle)])
+            seq.request_id: _certain(cycle[seq.num_generated % len(cycle)], seq.sampling.logprobs)
             for seq in plan.seqs
             if seq.sample
         }
@@ -70,3 +70,10 @@ class NullExecutor(Actor):
 
     async def on_crash(self, exc: BaseException) -> None:
         self.scheduler.put(am.WorkerLost(f"null executor crashed: {type(exc).__name__}"))
+
+
+def _certain(token_id: int, logprobs: int | None) -> SampledToken:
+    """The cycle's next token: certain, so its logprob is 0 and it is its only alternative."""
+    if logprobs is None:
+        return SampledToken(token_id)
+    return SampledToken(token_id, 0.0, [(token_id, 0.0)] if logprobs else None)

@@ -44,6 +44,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._template = None
+        self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary token
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
@@ -55,6 +56,15 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text alone, special tokens spelled out (what logprobs name it by)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.backend.decode([token_id], skip_special_tokens=False)
+            if 0 <= token_id < self.vocab_size:
+                self._token_texts[token_id] = text
+        return text
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         _check_messages(messages)

@@ -129,6 +129,46 @@ async def test_chat_and_completions_streamed_and_not(null_daemon) -> None:
         assert ids.choices[0].text == " the quick" and ids.usage.prompt_tokens == 3
 
 
+async def test_logprobs_travel_with_their_tokens_streamed_and_not(null_daemon) -> None:
+    """The null executor's tokens are certain: each logprob is 0 and its one alternative is
+    itself; what is asserted is that each token's entry arrives, in OpenAI's shape, named by
+    its own text."""
+    handle = await http_daemon(null_daemon)
+    client = sdk(handle)
+    words = [" the", " quick", " brown", " fox"]
+    with trio.fail_after(60):
+        model = await model_name(client)
+        chat = await call(client.chat.completions.create, model=model, messages=MESSAGES,
+                          max_tokens=4, logprobs=True, top_logprobs=2)
+        content = chat.choices[0].logprobs.content
+        assert [t.token for t in content] == words
+        assert [t.logprob for t in content] == [0.0] * 4
+        assert content[1].bytes == list(b" quick")
+        assert [[a.token for a in t.top_logprobs] for t in content] == [[w] for w in words]
+
+        events = await call(lambda: list(client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=4, logprobs=True, stream=True)))
+        streamed = [t for e in events if e.choices and e.choices[0].logprobs
+                    for t in e.choices[0].logprobs.content]
+        assert [t.token for t in streamed] == words
+        assert all(t.top_logprobs == [] for t in streamed)  # top_logprobs: 0
+
+        plain = await call(client.completions.create, model=model, prompt="Once",
+                           max_tokens=3, logprobs=1)
+        legacy = plain.choices[0].logprobs
+        assert legacy.tokens == words[:3] and legacy.token_logprobs == [0.0] * 3
+        assert legacy.text_offset == [0, 4, 10]
+        assert legacy.top_logprobs == [{w: 0.0} for w in words[:3]]
+        without = await call(client.completions.create, model=model, prompt="Once",
+                             max_tokens=3)
+        assert without.choices[0].logprobs is None
+        async with AsyncClient(handle.listen) as native:  # the ZeroMQ front, the same entries
+            done = await (await native.generate("Once", max_tokens=3, logprobs=True,
+                                                top_logprobs=1)).collect()
+        assert [(t.token, t.logprob) for t in done.logprobs] == [(w, 0.0) for w in words[:3]]
+        assert [a.token_id for a in done.logprobs[0].top] == done.token_ids[:1]
+
+
 async def test_stop_strings_and_parts(null_daemon) -> None:
     handle = await http_daemon(null_daemon)
     client = sdk(handle)
@@ -158,7 +198,8 @@ async def test_each_refusal_has_its_status_and_names_its_parameter(null_daemon) 
             (dict(top_p=0), "top_p"),
             (dict(max_tokens=0), "max_tokens"),
             (dict(n=2), "n"),
-            (dict(logprobs=True), "logprobs"),
+            (dict(top_logprobs=2), "top_logprobs"),
+            (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
             (dict(response_format={"type": "json_object"}), "response_format"),
             (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
             (dict(stop=["a", "b", "c"]), "stop"),
@@ -168,7 +209,8 @@ async def test_each_refusal_has_its_status_and_names_its_parameter(null_daemon) 
             error = await refused(chat, model=model, messages=MESSAGES, **params)
             assert (error.status_code, error.body["param"]) == (400, name), (params, error.body)
             assert error.body["type"] == "invalid_request_error"
-        for params, name in [(dict(echo=True), "echo"), (dict(best_of=2), "best_of")]:
+        for params, name in [(dict(echo=True), "echo"), (dict(best_of=2), "best_of"),
+                             (dict(logprobs=21), "logprobs")]:
             error = await refused(completions, model=model, prompt="hi", **params)
             assert (error.status_code, error.body["param"]) == (400, name)
         image = [{"role": "user", "content": [{"type": "image_url",

@@ -52,6 +52,9 @@ def test_max_tokens_omitted_runs_up_to_the_context() -> None:
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),  # chat's spelling only
     ({"prompt": 3}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "x", "model": 3}, "model"),
@@ -93,6 +96,65 @@ def test_each_refusal_maps_to_its_status(code, field, status, error_code) -> Non
         assert error.param == "stop"
     if code is RejectCode.TOO_LONG:
         assert error.param == "prompt"
+
+
+@pytest.mark.parametrize("body, wanted", [
+    ({}, None),
+    ({"logprobs": False}, None),
+    ({"logprobs": True}, 0),
+    ({"logprobs": True, "top_logprobs": 3}, 3),
+])
+def test_chat_asks_for_logprobs_as_openai_spells_it(body, wanted) -> None:
+    request = api.chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                **body}, **ARGS)
+    assert request.generate.sampling.logprobs == wanted
+    assert request.logprobs == (wanted is not None)
+
+
+@pytest.mark.parametrize("body", [
+    {"top_logprobs": 2},  # without logprobs: true
+    {"logprobs": True, "top_logprobs": 21},
+    {"logprobs": True, "top_logprobs": -1},
+    {"logprobs": 2},  # completions' spelling
+])
+def test_bad_chat_logprobs_are_named(body) -> None:
+    with pytest.raises(api.ApiError) as caught:
+        api.chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                          **body}, **ARGS)
+    assert caught.value.status == 400
+    assert caught.value.param == ("logprobs" if "top_logprobs" not in body else "top_logprobs")
+
+
+TOKENS = [
+    m.TokenLogprobs(" Paris", -0.5, (m.TopLogprob(7, " Paris", -0.5), m.TopLogprob(9, " Lyon", -1.5))),
+    m.TokenLogprobs("é", -0.25, (m.TopLogprob(3, " the", -0.1), m.TopLogprob(4, "é", -0.25))),
+]
+
+
+def test_logprobs_take_openai_s_chat_shape() -> None:
+    chat = api.chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                             "logprobs": True, "top_logprobs": 2}, **ARGS)
+    body = api.logprobs_body(chat, TOKENS)
+    assert body["refusal"] is None
+    first, second = body["content"]
+    assert (first["token"], first["logprob"], first["bytes"]) == (" Paris", -0.5, list(b" Paris"))
+    assert [(a["token"], a["logprob"]) for a in first["top_logprobs"]] == [(" Paris", -0.5),
+                                                                           (" Lyon", -1.5)]
+    assert second["bytes"] == list("é".encode())
+    plain = api.chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                             **ARGS)
+    assert api.logprobs_body(plain, TOKENS) is None
+
+
+def test_logprobs_take_the_legacy_completion_columns() -> None:
+    request = api.completion_request({"model": "m", "prompt": "x", "logprobs": 1}, **ARGS)
+    body = api.logprobs_body(request, TOKENS, text_offset=4)
+    assert body["tokens"] == [" Paris", "é"]
+    assert body["token_logprobs"] == [-0.5, -0.25]
+    assert body["text_offset"] == [4, 10]
+    # most likely first, and the sampled token is always there (as vLLM answers)
+    assert list(body["top_logprobs"][0].items()) == [(" Paris", -0.5), (" Lyon", -1.5)]
+    assert list(body["top_logprobs"][1].items()) == [(" the", -0.1), ("é", -0.25)]
 
 
 def test_a_key_finds_its_tenant_and_nothing_else_does() -> None:

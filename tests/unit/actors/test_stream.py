@@ -77,6 +77,23 @@ async def test_chunks_wait_for_credits_and_merge(autojump_clock, nursery) -> Non
     assert isinstance(rest[1], m.Finished) and rest[1].reason is m.FinishReason.LENGTH
 
 
+async def test_merged_chunks_keep_each_token_s_logprobs(autojump_clock, nursery) -> None:
+    h = Harness(nursery)
+    await h.start(nursery)
+    await h.generate(credits=1)
+    entry = [m.TokenLogprobs(t, -float(i), (m.TopLogprob(i, t, -float(i)),))
+             for i, t in enumerate("abc")]
+    await h.deliver(m.Chunk("r", "a", (1,), (entry[0],)), m.Chunk("r", "", (2,), (entry[1],)),
+                    m.Chunk("r", "bc", (3,), (entry[2],)),
+                    m.Chunk("r", "!", ()),  # held text released at the end: no token
+                    m.Finished("r", m.FinishReason.LENGTH))
+    [first] = sent_to_client(h.gateway)
+    assert first.logprobs == (entry[0],)
+    await h.tell(m.Credit("r", 1))
+    merged = sent_to_client(h.gateway)[0]
+    assert (merged.text, merged.token_ids, merged.logprobs) == ("bc!", (2, 3), tuple(entry[1:]))
+
+
 async def test_high_watermark_pauses_and_low_watermark_resumes(autojump_clock, nursery) -> None:
     h = Harness(nursery)
     await h.start(nursery)
