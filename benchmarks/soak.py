@@ -46,22 +46,44 @@ class WellBehaved:
     """Requests of the well-behaved clients: latency from send to `Finished`, and failures."""
 
     latencies: list[float] = field(default_factory=list)
+    spans: list[tuple[float, float]] = field(default_factory=list)  # (sent, finished), trio clock
     accepted: int = 0
     without_finished: int = 0  # accepted, then no Finished within the timeout
     failures: Counter = field(default_factory=Counter)  # what went wrong -> n
 
-    def report(self) -> dict:
-        ordered = sorted(self.latencies)
+    def report(self, outages: list[tuple[float, float]] = ()) -> dict:
+        """`outages`: (from, to) on the trio clock while faults kept the daemon from serving;
+        the requests that overlap none are also reported apart."""
+        report = {"requests": len(self.latencies) + sum(self.failures.values()),
+                  "accepted": self.accepted, "completed": len(self.latencies),
+                  "without_finished": self.without_finished,
+                  "failed": sum(self.failures.values()), "failures": dict(self.failures),
+                  "p50_seconds": _quantile(self.latencies, 0.50),
+                  "p99_seconds": _quantile(self.latencies, 0.99)}
+        if outages:
+            clear = [end - sent for sent, end in self.spans
+                     if not any(sent < to and end > since for since, to in outages)]
+            report["caught_by_faults"] = len(self.spans) - len(clear)
+            report["outside_faults_p50_seconds"] = _quantile(clear, 0.50)
+            report["outside_faults_p99_seconds"] = _quantile(clear, 0.99)
+        return report
 
-        def quantile(q: float) -> float | None:
-            return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4) \
-                if ordered else None
 
-        return {"requests": len(ordered) + sum(self.failures.values()),
-                "accepted": self.accepted, "completed": len(ordered),
-                "without_finished": self.without_finished,
-                "failed": sum(self.failures.values()), "failures": dict(self.failures),
-                "p50_seconds": quantile(0.50), "p99_seconds": quantile(0.99)}
+def _quantile(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4) if ordered else None
+
+
+# faults after which no request is served until the daemon says it recovered
+OUTAGE_FAULTS = ("kill_worker", "worker_down", "crash_scheduler")
+
+
+def outages(faults: list[dict], origin: float | None) -> list[tuple[float, float]]:
+    """The (from, to) windows, on the trio clock, of the faults that stopped serving."""
+    if origin is None:
+        return []
+    return [(origin + f["at"], origin + f["at"] + f.get("ready_after_seconds", 0.0))
+            for f in faults if f.get("kind") in OUTAGE_FAULTS]
 
 
 async def well_behaved_client(listen: str, number: int, max_tokens: int, timeout: float,
@@ -97,6 +119,7 @@ async def well_behaved_client(listen: str, number: int, max_tokens: int, timeout
                     break
                 if result.finish_reason in ("length", "stop"):
                     record.latencies.append(trio.current_time() - started)
+                    record.spans.append((started, trio.current_time()))
                 else:
                     record.failures[f"finished: {result.finish_reason}"] += 1
                 await trio.sleep(0.05)
@@ -170,9 +193,11 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
                    hoard_connections=sd.MAX_CONNECTIONS + 32)
     tallies = {name: sh.Tally(name) for name in args.hostile}
     faults: list[dict] = []
+    origins: list[float] = []
 
     def hostiles(nursery: trio.Nursery, stop: trio.Event) -> None:
         origin = trio.current_time()  # times of freezes and faults count from here
+        origins.append(origin)
         nursery.start_soon(liveness.watch, daemon.listen, origin, stop)
         for name in args.hostile:
             for _ in range(sh.loops(name, plan)):
@@ -199,7 +224,9 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
                         "daemon_cpu_seconds": None if None in cpu else round(cpu[1] - cpu[0], 1)}
     answer = await sd.describe_once(daemon.listen, 5.0)
     report["end"]["describe_answered"] = answer is not None
-    report["well_behaved"] = {"baseline": baseline.report(), "under_soak": loaded.report()}
+    report["well_behaved"] = {
+        "baseline": baseline.report(),
+        "under_soak": loaded.report(outages(faults, origins[0] if origins else None))}
     for phase in ("baseline", "under_soak"):
         report["well_behaved"][phase]["liveness"] = (quiet if phase == "baseline"
                                                      else liveness).report()

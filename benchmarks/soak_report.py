@@ -97,7 +97,13 @@ def summary(report: dict) -> dict:
         "well_behaved_latency_seconds": {
             "baseline_p50": base["p50_seconds"], "baseline_p99": base["p99_seconds"],
             "under_soak_p50": load["p50_seconds"], "under_soak_p99": load["p99_seconds"],
-            "p50_ratio": ratio("p50_seconds"), "p99_ratio": ratio("p99_seconds")},
+            "p50_ratio": ratio("p50_seconds"), "p99_ratio": ratio("p99_seconds"),
+            # requests that overlapped no worker or scheduler outage: what the load alone cost
+            "caught_by_faults": load.get("caught_by_faults"),
+            "under_soak_p99_outside_faults": load.get("outside_faults_p99_seconds"),
+            "p99_ratio_outside_faults": (
+                round(load["outside_faults_p99_seconds"] / base["p99_seconds"], 2)
+                if load.get("outside_faults_p99_seconds") and base["p99_seconds"] else None)},
         "well_behaved_failed": {"baseline": base["failed"], "under_soak": load["failed"]},
         "freezes": load["liveness"]["freezes"] + base["liveness"]["freezes"],
         "daemon_cpu_while_settling": report["settle"],
