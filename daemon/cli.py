@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("sluice.daemon.commands.cancel", "cancel one request by id"),
     "tenants": ("sluice.daemon.commands.tenants", "list tenants, or change one's weight/limits"),
     "top": ("sluice.daemon.commands.top", "the live console"),
+    "usage": ("sluice.daemon.commands.usage", "sum the usage records of a usage log"),
 }
 
 
