@@ -17,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sluice.actors.reports import (
-    Endpoint, EndpointQuery, MetricsQuery, MetricsSnapshot, WorkerQuery, WorkerState,
+    Endpoint, EndpointQuery, MetricsQuery, MetricsSnapshot, UsageQuery, UsageRecord,
+    UsageSnapshot, WorkerQuery, WorkerState,
 )  # fmt: skip
-from sluice.actors.scheduler.plan import RequestOutput
+from sluice.actors.scheduler.plan import RequestCost, RequestOutput
 from sluice.ipc.messages import (
     Accepted, CancelCommand, Chunk, CommandReply, ControlSnapshot, DrainCommand, Error,
     Finished, GatewayStats, Generate, InjectFault, ReconcileCommand, RecoverCommand, Rejected,
@@ -37,17 +38,21 @@ class Admit:
     sampling: SamplingParams  # the client's, as it arrived
     priority: int
     tenant: str
-    arrival: float  # monotonic
+    arrival: float  # time.monotonic() when the Stream received it
 
 
 @dataclass(frozen=True)
 class Release:
     """Stream -> Tokenizer -> Scheduler: end these requests now and free their KV.
 
-    The Tokenizer ends those it still holds and forwards the rest behind their `Admit`."""
+    The Tokenizer ends those it still holds and forwards the rest behind their `Admit`.
+    `unattended` is set when the Stream gave the requests up without waiting for their end
+    (its client is gone, or it failed): for each, when its first token left the daemon
+    (monotonic; 0.0 if none did). Their usage records are then written where they end."""
 
     request_ids: tuple[str, ...]
     reason: FinishReason
+    unattended: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -151,7 +156,8 @@ class Encode:
     request_id: str  # daemon-wide id ("<connection hex>/<client request id>")
     connection: bytes
     reply_to: str  # the address of the Stream actor's inbox
-    arrival: float  # monotonic
+    arrival: float  # time.monotonic() when the Stream received it
+    usage_id: str = ""  # its usage record's id, unique across the daemon's restarts
 
 
 @dataclass(frozen=True)
@@ -183,9 +189,34 @@ class StepOutputs:
 @dataclass(frozen=True)
 class StopMatched:
     """Tokenizer -> Scheduler: a stop string matched; end the request with STOP (its client
-    has its `Finished` already)."""
+    has all its text; the Tokenizer sends the `Finished` once this end, with its cost,
+    comes back)."""
 
     request_id: str
+
+
+@dataclass(frozen=True)
+class Ending:
+    """Tokenizer -> Stream, right before a request's `Finished`: what its usage record needs
+    that the client is not told (None when the scheduler never held the request)."""
+
+    request_id: str  # the client's id, as in the Finished
+    cost: RequestCost | None
+    recorded: bool = False  # its Stream had given it up: the Tokenizer made its record
+
+
+@dataclass(frozen=True)
+class Ended:
+    """Stream or Tokenizer -> Usage: the requests that ended, and the codes of the
+    rejections sent, while one message was handled."""
+
+    records: tuple[UsageRecord, ...] = ()
+    rejected: tuple[RejectCode, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReopenUsageLog:
+    """Daemon -> Usage, on SIGHUP: close the usage file and open its path again (rotation)."""
 
 
 @dataclass(frozen=True)
@@ -270,12 +301,12 @@ class Reply:
 
 
 # what a Stream passes on to its client
-ToClient = Accepted | Rejected | Chunk | Finished | Error
+ToClient = Accepted | Rejected | Chunk | Finished | Error | Ending
 # what an `Ask` asks, and what an `Operate` commands
 Question = (StatusQuery | Subscribe | ListConnections | Holding | WorkerQuery | EndpointQuery
-            | MetricsQuery)
+            | MetricsQuery | UsageQuery)
 Command = (DrainCommand | ResumeCommand | ReconcileCommand | RecoverCommand | CancelCommand
            | TenantSet | InjectFault | ReleaseAll)
 # what a `Reply` answers with
 Answer = (StatusReport | ControlSnapshot | Snapshot | CommandReply | Connections | Held
-          | WorkerState | Endpoint | MetricsSnapshot)
+          | WorkerState | Endpoint | MetricsSnapshot | UsageSnapshot)

@@ -2,18 +2,18 @@
 
 Actors share nothing, so the daemon, the metrics and other actors learn an actor's state
 only from these: asked inside an `Ask` (`WorkerQuery` -> `WorkerState`, `EndpointQuery` ->
-`Endpoint`, `MetricsQuery` -> `MetricsSnapshot`), or reported as it changes (`Backlog`, how
-many messages an actor has not taken yet, which paces the Scheduler's steps). Each record is
-a frozen dataclass of plain typed values, registered with the internal codec like every
-message between actors. The client and control protocols stay in `sluice.ipc.messages`;
+`Endpoint`, `MetricsQuery` -> `MetricsSnapshot`, `UsageQuery` -> `UsageSnapshot`), or
+reported as it changes (`Backlog`, how many messages an actor has not taken yet, which paces
+the Scheduler's steps). Each record is a frozen dataclass of plain typed values, registered
+with the internal codec like every message between actors. The client and control protocols stay in `sluice.ipc.messages`;
 nothing here goes on the wire to a client.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from sluice.ipc.messages import ControlSnapshot
+from sluice.ipc.messages import ControlSnapshot, Timings
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,9 @@ class Histogram:
     cumulative), `counts[i]` for values <= `bounds[i]` and above the bound before it, and a
     last count for values above every bound."""
 
-    kind: str  # ttft | itl | iteration | prefill_chunk | decode_batch
+    # the Scheduler's: ttft | itl | iteration | prefill_chunk | decode_batch; the Usage
+    # actor's request timings: ttft | queue | prefill | tpot | e2e
+    kind: str
     tenant: str  # "" for every tenant no config or operator created, and for per-step kinds
     bounds: tuple[float, ...]
     counts: tuple[int, ...]  # len(bounds) + 1
@@ -104,3 +106,57 @@ class BacklogGauge:
         if abs(depth - self.reported) >= self.step or depth == 0:
             self.reported = depth
             to.put(Backlog(self.actor, depth))
+
+
+@dataclass(frozen=True)
+class UsageSums:
+    """What requests used, in the quantities an operator bills: one request's in its
+    `UsageRecord`, a tenant's summed in `TenantUsageTotals`."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    recomputed_tokens: int = 0
+    preemptions: int = 0
+    kv_block_seconds: float = 0.0
+    compute_seconds: float = 0.0
+
+    def plus(self, other: UsageSums) -> UsageSums:
+        return UsageSums(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """One ended request, as it is billed: Stream (or Tokenizer) -> Usage, inside `Ended`."""
+
+    request_id: str  # the daemon's own id: unique, across restarts too (for de-duplication)
+    client_request_id: str  # the client's id, cut to the logged width
+    tenant: str
+    configured: bool  # a tenant of the config or an operator: metrics label it by name
+    start: float  # wall clock (seconds since the epoch): when the daemon received it
+    end: float  # when its Finished left (or its stream gave it up)
+    finish_reason: str
+    sums: UsageSums = UsageSums()
+    timings: Timings = Timings()
+
+
+@dataclass(frozen=True)
+class UsageQuery:
+    """Asked of the Usage actor inside an `Ask`: its totals; the answer is `UsageSnapshot`."""
+
+
+@dataclass(frozen=True)
+class TenantUsageTotals:
+    """What one metrics label's tenants used, summed over their usage records."""
+
+    tenant: str  # "" for every tenant no config or operator created
+    requests: tuple[tuple[str, int], ...] = ()  # (finish reason, count)
+    sums: UsageSums = UsageSums()
+
+
+@dataclass(frozen=True)
+class UsageSnapshot:
+    tenants: tuple[TenantUsageTotals, ...]
+    rejected: tuple[tuple[str, int], ...]  # (reject code, count), as the streams sent them
+    histograms: tuple[Histogram, ...]  # request timings: ttft, queue, prefill, tpot, e2e
+    records: int = 0  # usage records taken since the daemon started

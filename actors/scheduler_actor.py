@@ -151,7 +151,7 @@ class SchedulerActor(Actor):
                                          worker_failed_message(self.worker_failure), "worker"))
             return
         request = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
-                          tenant=msg.tenant, priority=msg.priority)
+                          tenant=msg.tenant, priority=msg.priority, arrival_time=msg.arrival)
         try:
             self.core.add_request(request)
         except AdmissionError as exc:
@@ -169,10 +169,11 @@ class SchedulerActor(Actor):
         self._maybe_step()
 
     async def on_stop_matched(self, msg: am.StopMatched) -> None:
+        # the tokenizer holds the request's Finished until this end, which carries its cost;
+        # one the core no longer has ended meanwhile, and that end is on its way already
         out = self.core.finish(msg.request_id)
         if out is not None:
-            self.counters["finished"] += 1  # the tokenizer already sent the Finished
-            _log_end(out)
+            self._emit([out])
         self._maybe_step()
 
     async def on_pause_or_resume(self, msg: am.PauseDecoding | am.ResumeDecoding) -> None:
@@ -299,7 +300,6 @@ class SchedulerActor(Actor):
             if out.finished:
                 key = "cancelled" if out.finish_reason in _CANCELLED else "finished"
                 self.counters[key] += 1
-                _log_end(out)
         self.tokenizer.put(am.StepOutputs(tuple(outputs)))
 
     # -- operations ---------------------------------------------------------------------------
@@ -394,10 +394,3 @@ def worker_failed_message(reason: str) -> str:
     return (f"the worker failed: it could not be started ({reason[:200]}); the daemon retries "
             "it on a long backoff, or at once on `sluice recover`")
 
-
-def _log_end(out: RequestOutput) -> None:
-    """One line per ended request: ids, reason and lengths, never its text."""
-    log.info("request ended", request_id=clip(out.request_id, _LOG_LIMITS),
-             reason=out.finish_reason.name.lower() if out.finish_reason else None,
-             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-             preemptions=out.preemptions)

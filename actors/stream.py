@@ -13,6 +13,12 @@ overtakes its request.
 Credits stay here: they meter what this stream sends, and only the `ResumeDecoding` they cause
 travels on.
 
+When a request's `Finished` leaves, its usage record is made here (`actors.usage`): only
+the Stream knows when its first token and its end left the daemon. A request given up
+without waiting for its end (the client is gone, the stream failed) hands those marks on in
+its `Release` (`unattended`), and its record is made where it ends. Records, and the codes of
+the rejections sent, go to the Usage actor once per handled message.
+
 Buffered chunks are merged when sent, so one credit can carry several tokens. Terminal
 messages (`Finished`, `Error`, `Rejected`) never need a credit.
 
@@ -30,6 +36,8 @@ when the gateway answers its `StreamClosed`; the connection's later frames open 
 
 from __future__ import annotations
 
+import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -41,12 +49,16 @@ from sluice.actors import messages as am
 from sluice.actors.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.intake import check_generate
 from sluice.actors.limits import Limits, clip
+from sluice.actors.usage import complete, record, since
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
 
 log = structlog.get_logger("sluice.stream")
 
 _ABORTED = (m.FinishReason.CANCELLED, m.FinishReason.TIMEOUT, m.FinishReason.ERROR)
+# seconds a closed stream waits for the ends of the requests it gave up, whose usage records
+# it may have to make (they end in milliseconds unless the daemon is stalled)
+ABANDONED_WAIT = 2.0
 
 
 @dataclass(frozen=True)
@@ -84,8 +96,14 @@ class _Request:
     client_id: str
     daemon_id: str
     credits: int
+    usage_id: str
+    tenant: str
+    received: float  # time.monotonic()
+    started: float  # time.time(), the same moment
+    first_sent: float = 0.0  # time.monotonic() when its first token left (0.0: not yet)
     buffer: deque[m.Chunk] = field(default_factory=deque)
     finished: m.Finished | None = None  # waits behind buffered chunks
+    cost: am.Ending | None = None  # what the usage record needs from the scheduler
     paused_since: float | None = None
     ending: bool = False  # a Release was sent; only the Finished is still expected
 
@@ -101,6 +119,7 @@ class Stream(Actor):
         tokenizer: Outbox,
         limits: Limits = Limits(),
         sink: ClientSink | None = None,
+        usage: Outbox | None = None,
     ):
         super().__init__(f"stream-{connection.hex()}")
         self.connection = connection
@@ -109,12 +128,20 @@ class Stream(Actor):
         self.gateway = gateway  # the front that routes to this stream, told when it closes
         self.sink = sink or FrameSink(codec, gateway)
         self.tokenizer = tokenizer  # the one route of this stream's requests
+        self.usage = usage  # where usage records go
+        self.usage_prefix = os.urandom(6).hex()  # with a count: ids unique across restarts
+        self.usage_serial = 0
         self.closed = False
         self.askers = Outboxes()  # drain's questions are answered here
 
     def reset(self) -> None:
         self.outgoing: list = []  # messages of this message's handling, sent together
+        self.records: list = []  # usage records of this message's handling
+        self.rejected: list[m.RejectCode] = []  # codes of the rejections it sent
         self.requests: dict[str, _Request] = {}
+        # requests given up without waiting (client gone), whose end may already have been on
+        # its way here: that end is still recorded (at most one connection's worth)
+        self.abandoned: dict[str, _Request] = {}
         self.last_heard = trio.current_time()
 
     def handlers(self) -> dict[type, Handler]:
@@ -138,6 +165,7 @@ class Stream(Actor):
         self.askers.close()
 
     async def background(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
         nursery.start_soon(self._timers)
 
     # -- from the client ----------------------------------------------------------------------
@@ -145,32 +173,36 @@ class Stream(Actor):
     async def on_generate(self, msg: m.Generate) -> None:
         self.last_heard = trio.current_time()
         if self.closed:  # routed here before the gateway learnt of the close
-            self._send(m.Rejected(msg.request_id, m.RejectCode.OVERLOADED,
+            self._reject(m.Rejected(msg.request_id, m.RejectCode.OVERLOADED,
                                   "this connection was closed; send the request again",
                                   "connection"))
             return
         if msg.request_id in self.requests:
-            self._send(m.Rejected(msg.request_id, m.RejectCode.INVALID,
+            self._reject(m.Rejected(msg.request_id, m.RejectCode.INVALID,
                                   "a request with this id is still running", "request_id"))
             return
         if msg.credits < 0:
-            self._send(m.Rejected(msg.request_id, m.RejectCode.INVALID,
+            self._reject(m.Rejected(msg.request_id, m.RejectCode.INVALID,
                                   "must be >= 0", "credits"))
             return
         if (refused := check_generate(msg, self.limits)) is not None:
-            self._send(refused)
+            self._reject(refused)
             return
         cap = self.limits.max_requests_per_connection
         if len(self.requests) >= cap:
-            self._send(m.Rejected(msg.request_id, m.RejectCode.OVERLOADED,
+            self._reject(m.Rejected(msg.request_id, m.RejectCode.OVERLOADED,
                                   f"a connection may have at most {cap} open requests",
                                   "max_requests_per_connection"))
             return
         daemon_id = f"{self.connection.hex()}/{msg.request_id}"
         credits = min(msg.credits, self.limits.max_credits)
-        self.requests[msg.request_id] = _Request(msg.request_id, daemon_id, credits)
+        self.usage_serial += 1
+        usage_id = f"{self.usage_prefix}-{self.usage_serial}"
+        received = time.monotonic()
+        self.requests[msg.request_id] = _Request(msg.request_id, daemon_id, credits, usage_id,
+                                                 msg.tenant, received, time.time())
         self.tokenizer.put(am.Encode(msg, daemon_id, self.connection, self.inbox.address,
-                                   trio.current_time()))
+                                     received, usage_id))
 
     async def on_credit(self, msg: m.Credit) -> None:
         self.last_heard = trio.current_time()
@@ -196,11 +228,15 @@ class Stream(Actor):
         requests, send = self.requests, self._send
         for item in msg.messages:
             request = requests.get(item.request_id)
-            if request is None:
-                continue  # ended already (cancelled, failed); late output is dropped
+            if request is None:  # ended already (cancelled, failed); late output is dropped
+                if self.abandoned:
+                    self._late_end(item)
+                continue
             if isinstance(item, m.Chunk):
                 if request.credits > 0 and not request.buffer and request.paused_since is None:
                     request.credits -= 1  # the common case: nothing waits, a credit is there
+                    if not request.first_sent and item.token_ids:
+                        request.first_sent = time.monotonic()
                     send(item)
                     continue
                 request.buffer.append(item)
@@ -212,7 +248,9 @@ class Stream(Actor):
                 self._flush(request)
             elif isinstance(item, m.Rejected):
                 del self.requests[item.request_id]
-                self._send(item)
+                self._reject(item)
+            elif isinstance(item, am.Ending):
+                request.cost = item
             else:  # Accepted, Error
                 self._send(item)
 
@@ -226,7 +264,18 @@ class Stream(Actor):
         self._close("failed", release=False)
 
     async def on_gateway_forgot(self, msg: am.StreamClosed) -> None:
-        self.close()  # nothing is routed here any more: the run loop ends
+        # nothing is routed here any more: the run loop ends, once the ends already on their
+        # way for the requests it gave up are in (for their usage records), or after a while
+        if not self.abandoned:
+            self.close()
+        else:
+            self._nursery.start_soon(self._close_when_settled)
+
+    async def _close_when_settled(self) -> None:
+        with trio.move_on_after(ABANDONED_WAIT):
+            while self.abandoned:
+                await trio.sleep(0.01)
+        self.close()
 
     async def on_crash(self, exc: BaseException) -> None:
         # the crash is this connection's alone: its requests fail and the stream closes; the
@@ -237,24 +286,41 @@ class Stream(Actor):
         self._close("crashed", release=False)
 
     def _fail_requests(self, message: str) -> None:
-        rids = tuple(r.daemon_id for r in self.requests.values())
         for request in self.requests.values():
             self._send(m.Error(request.client_id, message))
             self._send(m.Finished(request.client_id, m.FinishReason.ERROR))
+        self._give_up(m.FinishReason.ERROR)
+
+    def _late_end(self, item: object) -> None:
+        """The end of a request given up here, which left the Tokenizer before it learnt so:
+        recorded here, unless the Tokenizer did."""
+        request = self.abandoned.get(item.request_id)
+        if request is None:
+            return
+        if isinstance(item, am.Ending):
+            request.cost = item
+        elif isinstance(item, m.Finished):
+            del self.abandoned[item.request_id]
+            if request.cost is None or not request.cost.recorded:
+                self._ended(request, item)
+
+    def _give_up(self, reason: m.FinishReason) -> int:
+        """Release every request without waiting for its end; how many there were."""
+        requests = list(self.requests.values())
+        self.abandoned.update(self.requests)
         self.requests.clear()
-        if rids:
-            self.tokenizer.put(am.Release(rids, m.FinishReason.ERROR))
+        if requests:
+            self.tokenizer.put(am.Release(tuple(r.daemon_id for r in requests), reason,
+                                          tuple(r.first_sent for r in requests)))
+        return len(requests)
 
     def _close(self, why: str, *, release: bool = True) -> None:
         if self.closed:
             return
         self.closed = True
-        rids = tuple(r.daemon_id for r in self.requests.values())
-        self.requests.clear()
-        if release and rids:
-            self.tokenizer.put(am.Release(rids, m.FinishReason.CANCELLED))
+        rids = self._give_up(m.FinishReason.CANCELLED) if release else 0
         log.info("client gone", connection=clip(self.connection.hex(), self.limits), why=why,
-                 released=len(rids))
+                 released=rids)
         self.gateway.put(am.StreamClosed(self.connection))
 
     async def _timers(self) -> None:
@@ -290,13 +356,30 @@ class Stream(Actor):
     def _flush(self, request: _Request) -> None:
         if request.buffer and request.credits > 0:
             request.credits -= 1
-            self._send(_merge(request.buffer))
+            chunk = _merge(request.buffer)
+            if not request.first_sent and chunk.token_ids:
+                request.first_sent = time.monotonic()
+            self._send(chunk)
             request.buffer.clear()
         if request.finished is not None and not request.buffer:
             del self.requests[request.client_id]
-            self._send(request.finished)
+            self._send(self._ended(request, request.finished))
             return
         self._apply_watermarks(request)
+
+    def _ended(self, request: _Request, finished: m.Finished) -> m.Finished:
+        """`finished` with its timings complete; its usage record made."""
+        now, received = time.monotonic(), request.received
+        timings = complete(finished.timings, first_token=since(request.first_sent, received),
+                           finished=since(now, received),
+                           completion_tokens=finished.usage.completion_tokens)
+        finished = m.Finished(finished.request_id, finished.reason, finished.usage, timings)
+        self.records.append(record(
+            usage_id=request.usage_id, client_id=request.client_id, tenant=request.tenant,
+            reason=finished.reason, usage=finished.usage, timings=timings,
+            cost=request.cost.cost if request.cost is not None else None,
+            start=request.started, end=request.started + (now - received), limits=self.limits))
+        return finished
 
     def _apply_watermarks(self, request: _Request) -> None:
         depth = len(request.buffer)
@@ -311,10 +394,20 @@ class Stream(Actor):
     def _send(self, msg: object) -> None:
         self.outgoing.append(msg)
 
+    def _reject(self, msg: m.Rejected) -> None:
+        """Send a rejection and count it (by code, for the metrics)."""
+        self.rejected.append(msg.code)
+        self.outgoing.append(msg)
+
     def after_message(self) -> None:
         if self.outgoing:
             messages, self.outgoing = self.outgoing, []
             self.sink.send(self.connection, messages)
+        if self.records or self.rejected:
+            records, rejected = tuple(self.records), tuple(self.rejected)
+            self.records, self.rejected = [], []
+            if self.usage is not None:
+                self.usage.put(am.Ended(records, rejected))
 
 
 def _merge(chunks: deque[m.Chunk]) -> m.Chunk:

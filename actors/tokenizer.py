@@ -25,6 +25,12 @@ the restarted actor, so those requests continue. Outputs of a step that were not
 when the crash happened, and long prompts whose tokenizing was cut off, are handled first by
 the new incarnation.
 
+A request's `Finished` is built here from the core's end of it, which carries its cost: a
+matched stop string ends the text at once but holds the `Finished` until the Scheduler's end
+comes back (`StopMatched`). An `Ending` with that cost goes to the Stream right before the
+`Finished`, for the usage record (`actors.usage`); for a request its Stream no longer waits
+for (`Release.unattended`), the record is made here.
+
 After each message it tells the Scheduler how many messages its inbox still holds
 (`reports.Backlog`, when that number moved far enough): the Scheduler paces its steps by it.
 """
@@ -32,6 +38,7 @@ After each message it tells the Scheduler how many messages its inbox still hold
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +52,7 @@ from sluice.actors.intake import check_prompt_form
 from sluice.actors.limits import Limits, clip
 from sluice.actors.reports import BacklogGauge
 from sluice.actors.text import RequestText
+from sluice.actors.usage import complete, core_points, record, since
 from sluice.ipc import messages as m
 from sluice.ipc.vocabulary import InvalidParams, SamplingParams
 
@@ -83,10 +91,13 @@ class _Detok:
     client_id: str
     reply_to: str  # the address of its Stream actor's inbox
     text: RequestText
-    arrival: float
+    arrival: float  # time.monotonic() when its Stream received it
     prompt_field: str  # what the client sent its prompt as: prompt | messages | prompt_ids
-    admitted_at: float = 0.0
-    first_token_at: float = 0.0
+    tokenized: float  # time.monotonic() when its token ids were ready
+    usage_id: str
+    tenant: str
+    # set when its Stream gave it up: when its first token left (0.0: none did)
+    unattended: float | None = None
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -106,10 +117,12 @@ def wire_field(core_field: str, prompt_field: str) -> str:
 class Tokenizer(Actor):
     name = "tokenizer"
 
-    def __init__(self, tokenizer, *, scheduler: Inbox, limits: Limits = Limits()):
+    def __init__(self, tokenizer, *, scheduler: Inbox, limits: Limits = Limits(),
+                 usage: Inbox | None = None):
         super().__init__()
         self.tokenizer = tokenizer
         self.scheduler = scheduler
+        self.usage = usage  # where the records of unattended requests go
         self.limits = limits
         self.requests: dict[str, _Detok] = {}  # survives restarts (see the module docstring)
         self._carry: list = []  # outputs a crashed incarnation left unhandled
@@ -125,13 +138,14 @@ class Tokenizer(Actor):
         self.failed_long: am.Encode | None = None  # the long prompt whose tokenizing raised
         self.culprit: str | None = None  # the request whose output is being rendered
         self.deliveries: dict[str, list] = {}  # stream address -> messages
+        self.records: list = []  # usage records of unattended requests, sent after the message
         self.unhandled: list = []
         # long prompts handed to worker threads: not yet admitted, their bytes still held
         self.tokenizing: dict[str, _Held] = {}
         self.pending_prompt_bytes = 0
         carry, self._carry = self._carry, []
         if carry:
-            self._render_all(carry, trio.current_time())
+            self._render_all(carry)
 
     async def background(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -145,6 +159,10 @@ class Tokenizer(Actor):
         self.askers.close()
 
     def after_message(self) -> None:
+        if self.records:
+            records, self.records = tuple(self.records), []
+            if self.usage is not None:
+                self.usage.put(am.Ended(records))
         self.backlog.report(self.inbox.depth, self.scheduler)
 
     def handlers(self) -> dict[type, Handler]:
@@ -245,6 +263,7 @@ class Tokenizer(Actor):
             RequestText(self.tokenizer, sampling.stop, len(prompt_ids)), msg.arrival,
             "prompt_ids" if request.prompt_ids is not None
             else "messages" if request.messages is not None else "prompt",
+            time.monotonic(), msg.usage_id, request.tenant,
         )
         self.stream_users[msg.reply_to] += 1
         self.scheduler.put(am.Admit(msg.request_id, msg.connection, tuple(prompt_ids), sampling,
@@ -257,7 +276,6 @@ class Tokenizer(Actor):
     async def on_admitted(self, msg: am.Admitted) -> None:
         state = self.requests.get(msg.request_id)
         if state is not None:
-            state.admitted_at = trio.current_time()
             self._deliver_one(state.reply_to, m.Accepted(state.client_id, msg.prompt_tokens))
 
     async def on_admission_refused(self, msg: am.AdmissionRefused) -> None:
@@ -268,8 +286,17 @@ class Tokenizer(Actor):
 
     async def on_release(self, msg: am.Release) -> None:
         """End what is held here; forward the rest behind its Admit (see the docstring)."""
-        forward = [rid for rid in msg.request_ids
-                   if not self._call_off(rid, msg.reason) and rid in self.requests]
+        marks = msg.unattended
+        forward = []
+        for n, rid in enumerate(msg.request_ids):
+            mark = None if marks is None else marks[n]
+            if self._call_off(rid, msg.reason, mark):
+                continue
+            state = self.requests.get(rid)
+            if state is not None:
+                if mark is not None:
+                    state.unattended = mark
+                forward.append(rid)
         if forward:
             self.scheduler.put(am.Release(tuple(forward), msg.reason))
         self._deliver()
@@ -293,18 +320,34 @@ class Tokenizer(Actor):
             self._deliver()
         self.scheduler.put(msg)
 
-    def _call_off(self, rid: str, reason: m.FinishReason) -> bool:
-        """End a request still tokenizing here with `reason`; whether there was one."""
+    def _call_off(self, rid: str, reason: m.FinishReason,
+                  unattended: float | None = None) -> bool:
+        """End a request still tokenizing here with `reason`; whether there was one.
+        `unattended`: its Stream no longer waits for it (see `Release`)."""
         held = self.tokenizing.pop(rid, None)
         if held is None:
             return False
         self.pending_prompt_bytes -= held.size
         held.scope.cancel()
         encode = held.encode
-        timings = m.Timings(total=max(0.0, trio.current_time() - encode.arrival))
-        self._outbox(encode.reply_to).append(
-            m.Finished(encode.generate.request_id, reason, m.Usage(), timings))
+        finished = m.Finished(encode.generate.request_id, reason)
+        if unattended is not None:
+            self._record(finished, encode.arrival, encode.usage_id, encode.generate.tenant,
+                         None, unattended)
+        self._outbox(encode.reply_to).extend((am.Ending(finished.request_id, None), finished))
         return True
+
+    def _record(self, finished: m.Finished, arrival: float, usage_id: str, tenant: str,
+                cost, first_token: float) -> None:
+        """The usage record of a request whose Stream gave it up."""
+        now, wall = time.monotonic(), time.time()
+        timings = complete(finished.timings, first_token=since(first_token, arrival),
+                           finished=since(now, arrival),
+                           completion_tokens=finished.usage.completion_tokens)
+        self.records.append(record(
+            usage_id=usage_id, client_id=finished.request_id, tenant=tenant,
+            reason=finished.reason, usage=finished.usage, timings=timings, cost=cost,
+            start=wall - (now - arrival), end=wall, limits=self.limits))
 
     async def on_pause_or_resume(self, msg: am.PauseDecoding | am.ResumeDecoding) -> None:
         # only an admitted request has chunks to pause for
@@ -312,16 +355,16 @@ class Tokenizer(Actor):
             self.scheduler.put(msg)
 
     async def on_step_outputs(self, msg: am.StepOutputs) -> None:
-        self._render_all(list(msg.outputs), trio.current_time())
+        self._render_all(list(msg.outputs))
 
-    def _render_all(self, outputs: list, now: float) -> None:
+    def _render_all(self, outputs: list) -> None:
         self.unhandled = outputs
         while self.unhandled:
             out = self.unhandled[0]
             state = self.requests.get(out.request_id)
             if state is not None:
                 self.culprit = out.request_id
-                self._render(out, state, self._outbox(state.reply_to), now)
+                self._render(out, state, self._outbox(state.reply_to))
                 self.culprit = None
             self.unhandled.pop(0)
         self._deliver()
@@ -347,17 +390,20 @@ class Tokenizer(Actor):
                 del self.stream_users[address]
                 self.streams.forget(address)
 
-    def _render(self, out, state: _Detok, sent: list, now: float) -> None:
+    def _render(self, out, state: _Detok, sent: list) -> None:
+        if state.text.stopped:  # its text ended at a stop string: only its end is awaited
+            if out.finished:
+                self._finish(out, state, m.FinishReason.STOP, sent)
+            return
         if out.new_token_ids:
-            if not state.first_token_at:
-                state.first_token_at = now
             text = state.text.push(out.new_token_ids)
             logprobs = state.text.logprobs(out.logprobs) if out.logprobs else None
             sent.append(m.Chunk(state.client_id, text, tuple(out.new_token_ids), logprobs))
             if state.text.stopped:
-                self.scheduler.put(am.StopMatched(out.request_id))
-                sent.append(self._finished(out, state, m.FinishReason.STOP, now))
-                self._end(out.request_id)
+                if out.finished:  # it ended in the core with this very token
+                    self._finish(out, state, m.FinishReason.STOP, sent)
+                else:
+                    self.scheduler.put(am.StopMatched(out.request_id))
                 return
         if out.finished:
             reason = out.finish_reason or m.FinishReason.ERROR
@@ -365,18 +411,22 @@ class Tokenizer(Actor):
                 sent.append(m.Chunk(state.client_id, rest, ()))
             if reason is m.FinishReason.ERROR:
                 sent.append(m.Error(state.client_id, out.error or FAILED_IN_DAEMON))
-            sent.append(self._finished(out, state, reason, now))
-            self._end(out.request_id)
+            self._finish(out, state, reason, sent)
 
-    def _finished(self, out, state: _Detok, reason: m.FinishReason, now: float) -> m.Finished:
-        usage = state.text.usage(int(getattr(out, "cached_tokens", 0) or 0),
-                                 int(getattr(out, "recomputed_tokens", 0) or 0))
-        timings = m.Timings(
-            queued=max(0.0, state.admitted_at - state.arrival) if state.admitted_at else 0.0,
-            first_token=max(0.0, state.first_token_at - state.arrival) if state.first_token_at else 0.0,
-            total=max(0.0, now - state.arrival),
-        )
-        return m.Finished(state.client_id, reason, usage, timings)
+    def _finish(self, out, state: _Detok, reason: m.FinishReason, sent: list) -> None:
+        """The request's end: its `Ending` and `Finished` to the Stream (and its usage record
+        made here when the Stream no longer waits for it)."""
+        cost = out.cost
+        usage = state.text.usage(out.cached_tokens, out.recomputed_tokens)
+        timings = m.Timings(tokenized=since(state.tokenized, state.arrival),
+                            **core_points(cost, state.arrival))
+        finished = m.Finished(state.client_id, reason, usage, timings)
+        recorded = state.unattended is not None
+        if recorded:
+            self._record(finished, state.arrival, state.usage_id, state.tenant, cost,
+                         state.unattended)
+        sent.extend((am.Ending(state.client_id, cost, recorded), finished))
+        self._end(out.request_id)
 
     async def on_crash(self, exc: BaseException) -> None:
         why = f"tokenizer failed: {type(exc).__name__}"

@@ -25,6 +25,9 @@ policy = "fair"
 [limits]                    # actors.limits.Limits: what one client can make the daemon hold
 max_frame_bytes = 4194304
 
+[usage]                     # UsageSettings: the usage file (off)
+path = "/var/lib/sluice/usage.jsonl"
+
 [http]                      # actors.http.HttpSettings: the OpenAI-compatible front (off)
 listen = "127.0.0.1:8000"
 [http.tenants]
@@ -123,6 +126,13 @@ class AuthSettings:
 
 
 @dataclass(frozen=True)
+class UsageSettings:
+    # one JSON line per ended request, appended and flushed as it ends (`sluice usage` sums
+    # them); None: records go to the log only
+    path: str | None = None
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     listen: str = DEFAULT_LISTEN
     control: str | None = None  # None: an ipc socket in the runtime directory
@@ -139,6 +149,7 @@ class DaemonConfig:
     auth: AuthSettings = AuthSettings()
     limits: Limits = Limits()
     http: HttpSettings = HttpSettings()
+    usage: UsageSettings = UsageSettings()
 
     @property
     def control_address(self) -> str:
@@ -146,7 +157,8 @@ class DaemonConfig:
 
 
 _SECTIONS = {"stream": StreamConfig, "worker": WorkerSpec, "null": NullSettings,
-             "auth": AuthSettings, "limits": Limits, "http": HttpSettings}
+             "auth": AuthSettings, "limits": Limits, "http": HttpSettings,
+             "usage": UsageSettings}
 
 
 Z85_KEY_LENGTH = 40  # a 32-byte CURVE key in Z85

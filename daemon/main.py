@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve the OpenAI-compatible HTTP API here (port 0: any free)")
     serve.add_argument("--metrics-port", type=int,
                        help="serve Prometheus /metrics and /health on this port (0: any free)")
+    serve.add_argument("--usage-log", metavar="FILE",
+                       help="append one JSON line per ended request here (reopened on SIGHUP)")
     return parser
 
 
@@ -74,6 +76,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "drain_deadline": args.drain_deadline,
         "metrics_port": args.metrics_port,
         "http.listen": args.http,
+        "usage.path": args.usage_log,
         "stream.heartbeat_timeout": args.heartbeat_timeout,
         "stream.pause_timeout": args.pause_timeout,
         "worker.num_blocks": args.num_blocks if executor != "null" else None,
@@ -115,11 +118,13 @@ async def serve(config, config_path: str | None = None, overrides: dict | None =
 
 
 async def reload(daemon, config_path: str | None, overrides: dict | None) -> None:
-    """SIGHUP: re-read the config file and apply its tenants (weights and limits)."""
+    """SIGHUP: reopen the usage file, re-read the config file and apply its tenants (weights
+    and limits)."""
     from sluice.daemon.config import ConfigFileError, load_config
 
     reloading()
     log = structlog.get_logger("sluice.daemon")
+    daemon.reopen_usage_log()  # whatever the config says: a rotated file is let go now
     try:
         config = load_config(config_path, overrides)
         names = daemon.reload_tenants(config)

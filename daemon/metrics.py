@@ -1,10 +1,14 @@
 """Prometheus metrics and `/health` over HTTP, served from the daemon's own event loop.
 
-Everything comes from one snapshot the scheduler is asked for (by message, a
-`MetricsSnapshot`) when scraped: the gauges and totals, so `sluice_kv_blocks` equals what a
-snapshot taken at the same moment says, and the histograms the scheduler keeps (time to
-first token, inter-token latency, iteration time, prefill chunk and decode batch sizes) as
-typed bucket counts. Nothing here reads an actor. Names follow DESIGN §10.
+Everything comes from two snapshots asked for by message when scraped. The scheduler's
+(`MetricsSnapshot`): the gauges and totals, so `sluice_kv_blocks` equals what a snapshot
+taken at the same moment says, and the histograms it keeps (inter-token latency, iteration
+time, prefill chunk and decode batch sizes) as typed bucket counts. The Usage actor's
+(`UsageSnapshot`): what the usage records sum to per tenant (requests by finish reason,
+tokens, preemptions, KV block-seconds, compute seconds), rejections by code, and the request
+timings (time to first token as it left the daemon, queue, prefill, time per output token,
+end to end; `actors.usage` says which requests each counts). A scrape whose Usage actor does
+not answer leaves those out. Nothing here reads an actor. Names follow DESIGN §10.
 
 `/health` answers 200 while serving with a ready worker, 503 while draining, while the
 worker is down or `failed` (the body says which), or when the scheduler does not answer.
@@ -32,7 +36,7 @@ from prometheus_client import CollectorRegistry, generate_latest, make_asgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from sluice.actors.http_exchange import send_text, serve_lifespan, server_log
-from sluice.actors.reports import Histogram, MetricsSnapshot
+from sluice.actors.reports import Histogram, MetricsSnapshot, UsageSnapshot
 from sluice.ipc import messages as m
 
 log = structlog.get_logger("sluice.metrics")
@@ -43,7 +47,6 @@ OTHER_TENANTS = "(other)"  # the label of every tenant no config or operator cre
 
 # histogram kind (as the scheduler keeps it) -> name, help, whether labelled by tenant
 HISTOGRAMS = {
-    "ttft": ("sluice_time_to_first_token_seconds", "Arrival to first generated token", True),
     "itl": ("sluice_inter_token_latency_seconds",
             "Time between generated tokens of one request", True),
     "iteration": ("sluice_scheduler_iteration_seconds",
@@ -51,16 +54,31 @@ HISTOGRAMS = {
     "prefill_chunk": ("sluice_prefill_chunk_tokens", "Tokens per prefill chunk", False),
     "decode_batch": ("sluice_decode_batch_size", "Decoding sequences per iteration", False),
 }
+# the Usage actor's request timings, all labelled by tenant
+TIMING_HISTOGRAMS = {
+    "ttft": ("sluice_time_to_first_token_seconds",
+             "Receipt to the first token leaving the daemon, per request that sent one"),
+    "queue": ("sluice_request_queue_seconds", "Wait queue entry to first step, per request"),
+    "prefill": ("sluice_request_prefill_seconds", "First step to prompt computed, per request"),
+    "tpot": ("sluice_time_per_output_token_seconds",
+             "First token to Finished sent, per later token, per request of 2+ tokens"),
+    "e2e": ("sluice_e2e_request_latency_seconds",
+            "Receipt to Finished sent, per request the scheduler held"),
+}
 
 
 class Metrics:
     """The daemon's metric registry, rendered from the latest `MetricsSnapshot`."""
 
-    def __init__(self, snapshot: Callable[[], Awaitable[MetricsSnapshot]]):
+    def __init__(self, snapshot: Callable[[], Awaitable[MetricsSnapshot]],
+                 usage: Callable[[], Awaitable[UsageSnapshot]] | None = None):
         self.snapshot = snapshot  # asks the scheduler for a MetricsSnapshot
+        self.usage = usage  # asks the Usage actor for its UsageSnapshot
         self.latest: MetricsSnapshot | None = None  # the snapshot of the scrape being answered
+        self.latest_usage: UsageSnapshot | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_SchedulerCollector(lambda: self.latest))
+        self.registry.register(_UsageCollector(lambda: self.latest_usage))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -71,6 +89,12 @@ class Metrics:
             self.latest = await self.snapshot()
         except trio.TooSlowError:
             return False
+        self.latest_usage = None
+        if self.usage is not None:
+            try:
+                self.latest_usage = await self.usage()
+            except trio.TooSlowError:
+                log.warning("the usage actor did not answer the scrape")
         return True
 
     def healthy(self) -> tuple[bool, str]:
@@ -100,11 +124,13 @@ def _sum_totals(totals: list[m.TenantTotals]) -> m.TenantTotals:
                              for f in dataclasses.fields(m.TenantTotals)})
 
 
-def histogram_families(histograms: tuple[Histogram, ...]) -> Iterator[HistogramMetricFamily]:
-    """The scheduler's histograms as Prometheus families (cumulative buckets, `le` labels)."""
+def histogram_families(histograms: tuple[Histogram, ...],
+                       names: dict[str, tuple[str, str, bool]] = HISTOGRAMS,
+                       ) -> Iterator[HistogramMetricFamily]:
+    """Histograms as Prometheus families (cumulative buckets, `le` labels), named by kind."""
     families: dict[str, HistogramMetricFamily] = {}
     for histogram in histograms:
-        name, help_text, by_tenant = HISTOGRAMS[histogram.kind]
+        name, help_text, by_tenant = names[histogram.kind]
         family = families.get(name)
         if family is None:
             family = families[name] = HistogramMetricFamily(
@@ -181,6 +207,55 @@ class _SchedulerCollector:
                                   value=report.worker.restarts)
         yield GaugeMetricFamily("sluice_draining", "1 while the daemon does not admit",
                                 value=1.0 if report.state != "serving" else 0.0)
+
+
+class _UsageCollector:
+    """Per-tenant usage, rejections and request timings from the Usage actor's snapshot."""
+
+    def __init__(self, snapshot: Callable[[], UsageSnapshot | None]):
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        latest = self.snapshot()
+        if latest is None:
+            return
+        yield from histogram_families(
+            latest.histograms,
+            {kind: (name, text, True) for kind, (name, text) in TIMING_HISTOGRAMS.items()})
+        requests = CounterMetricFamily("sluice_tenant_usage_requests",
+                                       "Ended requests per tenant, by finish reason",
+                                       labels=["tenant", "reason"])
+        tokens = CounterMetricFamily("sluice_tenant_usage_tokens",
+                                     "Tokens per tenant, summed over its usage records",
+                                     labels=["tenant", "kind"])
+        sums = {name: CounterMetricFamily(f"sluice_tenant_usage_{name}", text, labels=["tenant"])
+                for name, text in (
+                    ("preemptions", "Preemptions of ended requests per tenant"),
+                    ("kv_block_seconds", "KV blocks held times seconds, per tenant"),
+                    ("compute_seconds", "Forward time apportioned by tokens, per tenant"))}
+        reasons: dict[str, int] = {}
+        for row in latest.tenants:
+            tenant = row.tenant or OTHER_TENANTS
+            for reason, count in row.requests:
+                requests.add_metric([tenant, reason], count)
+                reasons[reason] = reasons.get(reason, 0) + count
+            for kind in ("prompt", "completion", "cached", "recomputed"):
+                tokens.add_metric([tenant, kind], getattr(row.sums, f"{kind}_tokens"))
+            for name, family in sums.items():
+                family.add_metric([tenant], getattr(row.sums, name))
+        yield requests
+        yield tokens
+        yield from sums.values()
+        ended = CounterMetricFamily("sluice_requests_ended", "Ended requests by finish reason",
+                                    labels=["reason"])
+        for reason, count in sorted(reasons.items()):
+            ended.add_metric([reason], count)
+        yield ended
+        rejected = CounterMetricFamily("sluice_requests_rejected",
+                                       "Rejections sent to clients, by code", labels=["code"])
+        for code, count in latest.rejected:
+            rejected.add_metric([code], count)
+        yield rejected
 
 
 async def serve_metrics(metrics: Metrics, host: str, port: int, *,

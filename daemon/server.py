@@ -11,7 +11,7 @@ The daemon learns the actors' state only by asking (`Questions`), and tells them
 only by message: the boot asks the executor for its worker's facts (the pool sizes the
 scheduler core; none means the first worker never came up) and the gateway and control for
 the addresses they bound; `STATUS=`, `/health` and the metrics come from the scheduler's
-snapshots; drain's idle check asks the scheduler, the tokenizer and each stream. What it
+snapshots (and the Usage actor's totals, for the usage metrics); drain's idle check asks the scheduler, the tokenizer and each stream. What it
 does to actors directly is supervision: starting and stopping them (`recover`, the
 `worker_down` fault).
 """
@@ -34,13 +34,16 @@ from sluice.actors.executor.loader import resolve_model_path
 from sluice.actors.executor.null import NullExecutor
 from sluice.actors.gateway import Gateway
 from sluice.actors.http import HttpFront
-from sluice.actors.reports import EndpointQuery, MetricsQuery, WorkerFacts, WorkerQuery
+from sluice.actors.reports import (
+    EndpointQuery, MetricsQuery, UsageQuery, WorkerFacts, WorkerQuery,
+)  # fmt: skip
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
 from sluice.actors.scheduler_actor import SchedulerActor
 from sluice.actors.stream import Stream
 from sluice.actors.supervisor import Supervisor
 from sluice.actors.text import load_tokenizer
 from sluice.actors.tokenizer import Tokenizer
+from sluice.actors.usage import UsageLog
 from sluice.daemon.config import DaemonConfig, runtime_dir
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
@@ -70,6 +73,7 @@ class Daemon:
         self.gateway: Gateway | None = None
         self.control: Control | None = None
         self.http: HttpFront | None = None
+        self.usage: UsageLog | None = None
         self.http_address: str | None = None  # HOST:PORT of the HTTP front, when enabled
         self.metrics_port: int | None = None  # bound port of /metrics, when enabled
         self.listen_address: str | None = None  # what the gateway bound, once it serves
@@ -92,7 +96,7 @@ class Daemon:
             for outbox in self._stream_outboxes.values():
                 outbox.close()
             for actor in (self.executor, self.scheduler, self.tokenizer, self.gateway,
-                          self.control, self.http):
+                          self.control, self.http, self.usage):
                 if actor is not None:
                     actor.close()
 
@@ -129,7 +133,10 @@ class Daemon:
                 return Scheduler(core_config, eos_token_ids=tokenizer.eos_token_ids,
                                  max_model_len=max_model_len)
 
-            self.tokenizer = Tokenizer(tokenizer, scheduler=scheduler_inbox, limits=cfg.limits)
+            self.usage = UsageLog(cfg.usage.path, limits=cfg.limits)
+            usage_inbox = self._inboxes["usage"] = self.usage.inbox
+            self.tokenizer = Tokenizer(tokenizer, scheduler=scheduler_inbox, limits=cfg.limits,
+                                       usage=usage_inbox)
             tokenizer_inbox = self._inboxes["tokenizer"] = self.tokenizer.inbox
             codec = Codec(m.SERVER_MESSAGES, max_frame_bytes=cfg.limits.max_frame_bytes)
             client_codec = Codec(m.CLIENT_MESSAGES, max_frame_bytes=cfg.limits.max_frame_bytes)
@@ -140,7 +147,7 @@ class Daemon:
 
             def make_stream(connection: bytes) -> Stream:
                 return Stream(connection, config=cfg.stream, codec=codec, gateway=gateway_inbox,
-                              tokenizer=tokenizer_inbox, limits=cfg.limits)
+                              tokenizer=tokenizer_inbox, limits=cfg.limits, usage=usage_inbox)
 
             model_name = "embedded:" + self.model_path.name if cfg.model is None else str(cfg.model)
             if cfg.executor == "null":
@@ -162,7 +169,8 @@ class Daemon:
 
                 def make_http_stream(connection: bytes, sink) -> Stream:
                     return Stream(connection, config=cfg.stream, codec=codec, gateway=http_inbox,
-                                  tokenizer=tokenizer_inbox, limits=cfg.limits, sink=sink)
+                                  tokenizer=tokenizer_inbox, limits=cfg.limits, sink=sink,
+                                  usage=usage_inbox)
 
                 self.http = HttpFront(cfg.http, supervisor=self.supervisor,
                                       make_stream=make_http_stream, scheduler=scheduler_inbox,
@@ -173,7 +181,7 @@ class Daemon:
             self.control = Control(cfg.control_address, scheduler=scheduler_inbox,
                                    hooks=self._control_hooks(gateway_inbox))
             control_inbox = self._inboxes["control"] = self.control.inbox
-            for actor in (self.scheduler, self.tokenizer, *fronts, self.control):
+            for actor in (self.usage, self.scheduler, self.tokenizer, *fronts, self.control):
                 await self.supervisor.start_child(actor)
             self.listen_address = await self._bound_address(gateway_inbox)
             self.control_address = await self._bound_address(control_inbox)
@@ -195,7 +203,7 @@ class Daemon:
     async def _start_metrics(self, nursery: trio.Nursery) -> None:
         from sluice.daemon.metrics import Metrics, serve_metrics
 
-        metrics = Metrics(self.metrics_snapshot)
+        metrics = Metrics(self.metrics_snapshot, self.usage_snapshot)
         self.metrics_port = await nursery.start(serve_metrics, metrics, self.config.metrics_host,
                                                 self.config.metrics_port)
 
@@ -212,6 +220,16 @@ class Daemon:
         return await self.questions.ask(
             self._scheduler_inbox, lambda address, token: am.Ask(MetricsQuery(), address, token),
             5.0)  # inside the 10 s a metrics scrape may take
+
+    async def usage_snapshot(self):
+        """The Usage actor's totals and request-timing histograms, for the metrics."""
+        return await self.questions.ask(
+            self._inboxes["usage"], lambda address, token: am.Ask(UsageQuery(), address, token),
+            5.0)
+
+    def reopen_usage_log(self) -> None:
+        """SIGHUP: the usage file may have been rotated."""
+        self._inboxes["usage"].put(am.ReopenUsageLog())
 
     async def summary(self) -> str:
         """One line for systemd's STATUS=."""

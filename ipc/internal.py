@@ -54,6 +54,10 @@ def _converter(hint: Any) -> _Convert | None:
         return None if inner is None else (lambda v: None if v is None else inner(v))
     if origin is list or hint is list:
         return list
+    if origin is tuple:  # tuple[X, ...]: each item restored as X is
+        args = typing.get_args(hint)
+        inner = _converter(args[0]) if args else None
+        return None if inner is None else (lambda v: tuple(inner(item) for item in v))
     if origin in (set, frozenset):
         return origin
     if isinstance(hint, type) and issubclass(hint, enum.Enum):

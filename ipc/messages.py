@@ -26,7 +26,11 @@ from typing import ClassVar
 
 from sluice.ipc.vocabulary import FinishReason, RejectCode, SamplingParams
 
-PROTOCOL_MAJOR = 1
+PROTOCOL_MAJOR = 2
+# 2.0: `Finished.timings` names each point a request passed (received, tokenized, queued,
+#      scheduled, prefill done, first token sent, finished) and the spans derived from them;
+#      `Accepted` has no `cached_tokens` (the prefix match happens after it is sent: the
+#      count is in `Finished.usage`). A 1.x peer cannot read a 2.0 `Finished`.
 # 1.1: `Generate.sampling` may ask for `logprobs`
 # 1.2: `ControlSnapshot.detail` is a typed `ConsoleDetail` instead of free-form maps; a 1.1
 #      console cannot read it (and a 1.2 console refuses a 1.1 daemon's detail)
@@ -34,7 +38,7 @@ PROTOCOL_MAJOR = 1
 # 1.4: `Chunk.logprobs` holds a `TokenLogprobs` per token (its text and the most likely
 #      alternatives) instead of a bare float; only a request that asked for `logprobs` gets
 #      one, and a 1.3 peer that asked (its client library could not) cannot read it
-PROTOCOL_MINOR = 4
+PROTOCOL_MINOR = 0
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 
@@ -77,11 +81,22 @@ class Usage:
 
 @dataclass(frozen=True)
 class Timings:
-    """Durations in seconds on the daemon's monotonic clock, from the request's arrival."""
+    """When the request passed each point of the daemon, in seconds after the daemon
+    received it, every point read off the daemon's one monotonic clock as it happened; 0.0
+    for a point it never reached (one cancelled while it waited was never scheduled). Then
+    the spans derived from those points, 0.0 where a point they need is missing."""
 
-    queued: float = 0.0  # arrival -> admitted to the scheduler
-    first_token: float = 0.0  # arrival -> first chunk handed to the stream
-    total: float = 0.0  # arrival -> finished
+    tokenized: float = 0.0  # its prompt's token ids were ready
+    queued: float = 0.0  # it entered the scheduler's wait queue
+    scheduled: float = 0.0  # it was first planned into a step
+    prefill_done: float = 0.0  # its prompt's KV was first complete
+    first_token: float = 0.0  # its first token left the daemon for the client
+    finished: float = 0.0  # its `Finished` left the daemon
+    queue: float = 0.0  # queued -> scheduled
+    prefill: float = 0.0  # scheduled -> prefill_done
+    ttft: float = 0.0  # received -> first_token
+    tpot: float = 0.0  # first_token -> finished, per completion token after the first
+    e2e: float = 0.0  # received -> finished
 
 
 # -- client -> daemon -----------------------------------------------------------------------
@@ -136,7 +151,6 @@ class Accepted:
     TAG: ClassVar[int] = 16
     request_id: str
     prompt_tokens: int
-    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

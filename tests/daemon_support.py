@@ -194,3 +194,26 @@ def taken_from(inbox) -> list:
             taken.append(inbox.get_nowait())
         except trio.WouldBlock:
             return taken
+
+
+async def http_get(port: int, path: str) -> tuple[int, str]:
+    """GET http://127.0.0.1:port/path off the event loop: (status, body)."""
+    import urllib.error
+    import urllib.request
+
+    def get() -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    return await trio.to_thread.run_sync(get)
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Prometheus text as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}

@@ -17,7 +17,7 @@ LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
                   10.0, 30.0)  # seconds
 TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 BATCH_BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-HISTOGRAM_BOUNDS = {"ttft": LATENCY_BOUNDS, "itl": LATENCY_BOUNDS, "iteration": LATENCY_BOUNDS,
+HISTOGRAM_BOUNDS = {"itl": LATENCY_BOUNDS, "iteration": LATENCY_BOUNDS,
                     "prefill_chunk": TOKEN_BOUNDS, "decode_batch": BATCH_BOUNDS}
 
 
@@ -38,8 +38,10 @@ class Buckets:
 class LatencyLog:
     """Time to first token, inter-token latency and output tokens, from the outputs emitted.
 
-    Keeps the latest samples for percentiles and, with `histograms`, a histogram per kind
-    (`ttft`, `itl`, `iteration`, `decode_batch`, `prefill_chunk`) and tenant: `buckets`, keyed
+    Keeps the latest samples for percentiles (time to first token as the scheduler sees it,
+    for `sluice status` and the console) and, with `histograms`, a histogram per kind (`itl`,
+    `iteration`, `decode_batch`, `prefill_chunk`) and tenant; the time-to-first-token
+    histogram is the Usage actor's, to the moment the token left the daemon: `buckets`, keyed
     `(kind, tenant)`. The tenant is "" for a tenant no config or operator created (and for
     the per-step kinds), so label sets stay bounded whatever names clients invent.
     """
@@ -83,7 +85,7 @@ class LatencyLog:
 
     def _observe(self, kind: str, seconds: float, tenant: str) -> None:
         (self.ttft if kind == "ttft" else self.itl).append(seconds)
-        if self.histograms:
+        if self.histograms and kind in HISTOGRAM_BOUNDS:
             self._count(kind, seconds, tenant)
 
     def _count(self, kind: str, value: float, tenant: str) -> None:

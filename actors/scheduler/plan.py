@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from sluice.ipc.vocabulary import FinishReason, InvalidParams, SamplingParams
 
-__all__ = ["InvalidParams", "RequestOutput", "SampledToken", "SamplingParams", "ScheduledSeq",
-           "StepPlan", "StepResult"]
+__all__ = ["InvalidParams", "RequestCost", "RequestOutput", "SampledToken", "SamplingParams",
+           "ScheduledSeq", "StepPlan", "StepResult"]
 
 
 @dataclass
@@ -122,6 +122,26 @@ class StepResult:
                    seconds)
 
 
+@dataclass(frozen=True)
+class RequestCost:
+    """What an ended request cost, and when the core saw it pass each point, on the
+    scheduler's clock (0.0: it never got there). On the output that ends the request."""
+
+    tenant: str
+    configured: bool  # its tenant is the config's or an operator's (metrics label it by name)
+    queued: float = 0.0  # entered the wait queue
+    scheduled: float = 0.0  # first planned into a step
+    prefill_done: float = 0.0  # its prompt's KV first complete
+    finished: float = 0.0
+    kv_block_seconds: float = 0.0  # blocks held, times how long
+    compute_seconds: float = 0.0  # its tokens' share of each step's forward time
+    preemptions: int = 0
+
+    def to_plain(self) -> list:
+        return [self.tenant, self.configured, self.queued, self.scheduled, self.prefill_done,
+                self.finished, self.kv_block_seconds, self.compute_seconds, self.preemptions]
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request."""
@@ -137,19 +157,21 @@ class RequestOutput:
     preemptions: int = 0
     recomputed_tokens: int = 0
     error: str = ""  # what the client's `Error` says when it ended with ERROR ("": a default)
+    cost: RequestCost | None = None  # on the output that ends a request the core held
 
     def to_plain(self) -> list:
         logprobs = None if self.logprobs is None else [t.to_plain() for t in self.logprobs]
+        cost = None if self.cost is None else self.cost.to_plain()
         return [self.request_id, self.new_token_ids, self.finished, self.finish_reason, logprobs,
                 self.prompt_tokens, self.cached_tokens, self.preemptions, self.recomputed_tokens,
-                self.error]
+                self.error, cost]
 
     @classmethod
     def from_plain(cls, plain: list | tuple) -> RequestOutput:
-        rid, tokens, finished, reason, logprobs, prompt, cached, preemptions, recomputed, error = (
-            plain
-        )
+        (rid, tokens, finished, reason, logprobs, prompt, cached, preemptions, recomputed, error,
+         cost) = plain
         if logprobs is not None:
             logprobs = [SampledToken.from_plain(t) for t in logprobs]
         return cls(rid, list(tokens), finished, None if reason is None else FinishReason(reason),
-                   logprobs, prompt, cached, preemptions, recomputed, error)
+                   logprobs, prompt, cached, preemptions, recomputed, error,
+                   None if cost is None else RequestCost(*cost))

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 
 from sluice.actors.scheduler.errors import InvalidRequest
-from sluice.actors.scheduler.plan import RequestOutput, SamplingParams
+from sluice.actors.scheduler.plan import RequestCost, RequestOutput, SamplingParams
 from sluice.ipc.vocabulary import FinishReason
 
 
@@ -63,13 +63,14 @@ class Request:
     num_decode_tokens: int = field(default=0, init=False)
     kv_block_seconds: float = field(default=0.0, init=False)  # KV held over time: its memory cost
     kv_since: float = field(default=0.0, init=False)  # when block_ids last changed
+    compute_seconds: float = field(default=0.0, init=False)  # its share of the steps' forwards
     # the most tokens whose KV this request ever had: computing below it again is recompute
     max_computed_tokens: int = field(default=0, init=False)
     sampling_seed: int = field(default=0, init=False)
     finish_reason: FinishReason | None = field(default=None, init=False)
     resume_state: RequestState | None = field(default=None, init=False)  # state before PAUSED
 
-    # timestamps, all from the scheduler's clock
+    # timestamps, all from the scheduler's clock; each is the first time it got there
     queued_time: float | None = field(default=None, init=False)
     first_scheduled_time: float | None = field(default=None, init=False)
     prefill_done_time: float | None = field(default=None, init=False)
@@ -177,11 +178,14 @@ class Request:
         return None
 
     def ended(self, reason: FinishReason, state: RequestState, now: float,
-              error: str = "") -> RequestOutput:
-        """Record how it ended; the output that reports it, with its usage."""
+              error: str = "", *, configured: bool = False) -> RequestOutput:
+        """Record how it ended; the output that reports it, with its usage and cost."""
         self.state = state
         self.finish_reason = reason
         self.finish_time = now
+        cost = RequestCost(self.tenant, configured, self.queued_time or 0.0,
+                           self.first_scheduled_time or 0.0, self.prefill_done_time or 0.0, now,
+                           self.kv_block_seconds, self.compute_seconds, self.num_preemptions)
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=[],
@@ -192,4 +196,5 @@ class Request:
             cached_tokens=self.num_cached_tokens,
             preemptions=self.num_preemptions,
             recomputed_tokens=self.num_recomputed_tokens,
+            cost=cost,
         )

@@ -75,9 +75,11 @@ class RequestTable:
         if request.state is PREFILLING:
             request.state = DECODING
             self.prefilling.pop(request.request_id, None)
-            request.prefill_done_time = now
         elif request.state is PAUSED and request.resume_state is PREFILLING:
             request.resume_state = DECODING
+        else:
+            return
+        if request.prefill_done_time is None:  # the first time: a recompute does not move it
             request.prefill_done_time = now
 
     def pause(self, request: Request) -> None:

@@ -326,6 +326,8 @@ class Scheduler:
         now = self.clock()
         kv, ledger, tenants = self.kv_cache, self.ledger, self.ledger.tenants
         sampled, step_id, size = result.sampled, plan.step_id, kv.block_size
+        # the step's forward time, shared among its sequences by the tokens each computed
+        per_token = result.forward_seconds / max(1, sum(len(seq.token_ids) for seq in plan.seqs))
         for seq in plan.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.scheduled_step != step_id or not request.block_ids:
@@ -333,6 +335,7 @@ class Scheduler:
             tenant = tenants[request.tenant]
             start = seq.start_pos
             end = start + len(seq.token_ids)
+            request.compute_seconds += per_token * (end - start)
             recomputed = request.computed(start, end)
             if not request.last_chunk_was_decode:
                 ledger.charge_prefill(tenant, end - start - recomputed, recomputed)
@@ -386,7 +389,8 @@ class Scheduler:
         request.num_computed_tokens = computed  # kept for inspection of the ended request
         self.table.remove(request, reason)
         self.bisection.forget(request.request_id)
-        return request.ended(reason, state, self.clock(), error)
+        return request.ended(reason, state, self.clock(), error,
+                             configured=self.config.is_configured(request.tenant))
 
     # -- inspection -------------------------------------------------------------------------
     def check_invariants(self) -> None:

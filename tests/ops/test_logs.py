@@ -42,7 +42,9 @@ async def test_a_marked_load_leaves_no_trace_of_its_text_in_the_logs(
     records = [json.loads(line) for line in lines]  # every line is one JSON object
     ended = [r for r in records if r["event"] == "request ended"]
     assert len(ended) == 7
-    assert all(r["prompt_tokens"] > 0 and "/" in r["request_id"] for r in ended)
+    assert all(r["prompt_tokens"] > 0 and r["tenant"] == "t-qzv" for r in ended)
+    assert sorted(r["client_request_id"] for r in ended) == [str(i) for i in range(1, 8)]
+    assert len({r["request_id"] for r in ended}) == 7  # the daemon's own ids are unique
     assert not [line for line in lines if MARKER in line]
 
 

@@ -3,34 +3,16 @@ equals the snapshot, and health turns 503 while draining."""
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
-
 import pytest
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
 
+from daemon_support import http_get, samples
+
 pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
-
-
-async def http_get(port: int, path: str) -> tuple[int, str]:
-    def get() -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
-                return reply.status, reply.read().decode()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode()
-
-    return await trio.to_thread.run_sync(get)
-
-
-def samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 async def test_metrics_under_load_match_the_snapshot(null_daemon) -> None:

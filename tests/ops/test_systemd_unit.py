@@ -87,6 +87,7 @@ def test_example_config_is_accepted_by_the_daemon() -> None:
     assert config.control_address == "ipc:///run/sluice/control.sock"
     assert config.metrics_port == 9464
     assert config.http.listen == "127.0.0.1:8000"  # the OpenAI-compatible front
+    assert config.usage.path == "/var/lib/sluice/usage.jsonl"  # under the unit's StateDirectory
     tenants = SchedulerConfig.from_dict({**config.scheduler, "kv_blocks": 64}).tenants
     assert tenants["interactive"].weight == 4.0 and tenants["batch"].max_running == 16
 

@@ -84,6 +84,8 @@ def test_enums_lists_tuples_and_sets_keep_their_types() -> None:
     assert type(outputs[0].new_token_ids) is list
     operate = roundtrip(am.Operate("x", "", 0, frozenset({b"c"})))
     assert type(operate.connections) is frozenset
+    ended = roundtrip(am.Ended((), (m.RejectCode.INVALID, m.RejectCode.TOO_LONG)))
+    assert [type(code) for code in ended.rejected] == [m.RejectCode, m.RejectCode]
 
 
 def test_a_step_plan_and_its_result_cross_whole() -> None:
