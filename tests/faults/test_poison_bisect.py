@@ -21,6 +21,10 @@ backoff_initial = 0.05
 debug_fail_token = {POISON}
 """
 INNOCENT_PROMPTS = ([1, 504, 3458, 282, 2114], [1, 1780, 314, 253, 1345, 30])
+# logits of one sequence move by up to ~0.1 with the batch it is computed in on a CPU (another
+# GEMM blocking for another row count), so greedy tokens are compared up to the reference's
+# first position whose best two tokens are closer than this
+NEAR_TIE = 0.25
 
 
 async def test_only_the_poison_request_fails_and_its_batch_finishes(
@@ -46,11 +50,17 @@ async def test_only_the_poison_request_fails_and_its_batch_finishes(
             assert status.worker.restarts >= 3  # the batch was lost, then the poison alone
             # what the innocent prompts give without a poison request beside them
             again = [await client.generate(prompt_ids=ids, max_tokens=24, temperature=0,
-                                           ignore_eos=True) for ids in INNOCENT_PROMPTS]
+                                           ignore_eos=True, top_logprobs=2)
+                     for ids in INNOCENT_PROMPTS]
             expected = [await generation.collect() for generation in again]
+    compared = 0
     for result, reference in zip(results, expected, strict=True):
         assert result.finish_reason == "length" and len(result.token_ids) == 24
-        assert result.token_ids == reference.token_ids
+        margins = [entry.top[0].logprob - entry.top[1].logprob for entry in reference.logprobs]
+        clear = next((i for i, margin in enumerate(margins) if margin < NEAR_TIE), 24)
+        assert result.token_ids[:clear] == reference.token_ids[:clear], (clear, margins)
+        compared += clear
+    assert compared >= 6  # the prompts were picked for clear starts
     assert sum(r.usage.recomputed_tokens for r in results) > 0  # they were in the lost steps
     report = await drained_and_consistent(control)
     assert report.counters.accepted == 5
