@@ -121,10 +121,11 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineOutput]:
+        expired = self.scheduler.expire()  # requests past their timeout
         plan = self.scheduler.schedule()
         # update even an empty plan: the core may have ended requests while planning
         result = self.runner.execute(plan) if plan.seqs else StepResult(plan.step_id)
-        return [self._track(out) for out in self.scheduler.update(plan, result)]
+        return [self._track(out) for out in (*expired, *self.scheduler.update(plan, result))]
 
     def _track(self, out: RequestOutput) -> EngineOutput:
         tracked = self._tracked.get(out.request_id)

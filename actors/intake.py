@@ -19,6 +19,8 @@ the model's context) belong to the actors that own that state, not here.
 
 from __future__ import annotations
 
+import math
+
 from sluice.actors.limits import Limits
 from sluice.ipc.vocabulary import InvalidParams
 from sluice.ipc import messages as m
@@ -58,6 +60,8 @@ def check_generate(msg: m.Generate, limits: Limits) -> m.Rejected | None:
         field = "prompt" if msg.prompt is not None else "messages"
         return _refuse(msg, m.RejectCode.TOO_LONG, field, f"{chars} prompt characters",
                        "max_prompt_chars", limits.max_prompt_chars)
+    if msg.timeout is not None and not 0 < msg.timeout < math.inf:
+        return m.Rejected(msg.request_id, invalid, "must be a number of seconds > 0", "timeout")
     stops = msg.sampling.stop
     if len(stops) > limits.max_stop_strings:
         return _refuse(msg, invalid, "sampling.stop", f"{len(stops)} stop strings",

@@ -39,6 +39,7 @@ class Admit:
     priority: int
     tenant: str
     arrival: float  # time.monotonic() when the Stream received it
+    timeout: float | None = None  # the client's, seconds from arrival
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ class AdmissionRefused:
     code: RejectCode
     message: str
     field: str = ""
+    retry_after: float = 0.0  # seconds (0.0: no estimate)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ does the I/O.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_f
 # accepted and without effect on the output
 IGNORED = ("user", "store", "metadata", "service_tier")
 # ours: extensions both endpoints take, as vLLM spells them
-EXTENSIONS = ("top_k", "min_p", "ignore_eos", "priority", "repetition_penalty")
+EXTENSIONS = ("top_k", "min_p", "ignore_eos", "priority", "repetition_penalty", "timeout")
 _COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
            "stop", "n", "presence_penalty", "frequency_penalty", *EXTENSIONS, *IGNORED)
 CHAT_PARAMETERS = frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs",
@@ -168,9 +169,10 @@ def _request(body: dict[str, Any], request_id: str, tenant: str, credits: int,
     n = body.get("n")
     if n is not None and n != 1:
         raise invalid("n", "only n = 1 is supported")
+    timeout = None if body.get("timeout") is None else _number(body, "timeout")
     generate = m.Generate(request_id, sampling=_sampling(body, chat, max_model_len),
                           priority=_typed(body, "priority", int, 0), tenant=tenant,
-                          credits=credits, **prompt)
+                          credits=credits, timeout=timeout, **prompt)
     return ApiRequest(generate, chat, stream, include_usage, model)
 
 
@@ -268,8 +270,11 @@ def param_name(field: str) -> str | None:
 
 
 def rejected_error(rejected: m.Rejected, retry_after: int) -> ApiError:
-    """The HTTP error a `Rejected` is (the README's table)."""
+    """The HTTP error a `Rejected` is (the README's table). `retry_after` is the front's
+    default, used when the daemon has no estimate of its own."""
     code, param = rejected.code, param_name(rejected.field)
+    if rejected.retry_after > 0:
+        retry_after = math.ceil(rejected.retry_after)
     if code is RejectCode.TOO_LONG:
         return ApiError(400, rejected.message, param=param, code="context_length_exceeded")
     if code is RejectCode.UNAUTHORIZED:

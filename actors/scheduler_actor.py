@@ -110,6 +110,26 @@ class SchedulerActor(Actor):
         # WorkerReady or WorkerFailed, lands in the inbox like any announcement)
         self.executor.put(am.AskWorker())
 
+    async def background(self, nursery: trio.Nursery) -> None:
+        self.deadline_set = trio.Event()
+        nursery.start_soon(self._expire_deadlines)
+
+    async def _expire_deadlines(self) -> None:
+        """End requests past their deadline (`timeout`), stepping or not: a request that
+        waits while no worker is up times out too."""
+        while True:
+            due = self.core.next_deadline()
+            if due is None:
+                await self.deadline_set.wait()
+                self.deadline_set = trio.Event()
+                continue
+            # a later arrival may have an earlier deadline: look again at least this often
+            await trio.sleep(min(0.1, max(0.0, due - self.core.clock())))
+            outputs = self.core.expire()
+            if outputs:
+                self._emit(outputs)
+                self._maybe_step()
+
     def handlers(self) -> dict[type, Handler]:
         return {
             am.Admit: self.on_admit,
@@ -151,14 +171,17 @@ class SchedulerActor(Actor):
                                          worker_failed_message(self.worker_failure), "worker"))
             return
         request = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
-                          tenant=msg.tenant, priority=msg.priority, arrival_time=msg.arrival)
+                          tenant=msg.tenant, priority=msg.priority, arrival_time=msg.arrival,
+                          timeout=msg.timeout)
         try:
             self.core.add_request(request)
         except AdmissionError as exc:
             self.counters["rejected"] += 1
             self.tokenizer.put(am.AdmissionRefused(msg.request_id, exc.code, exc.message,
-                                                   exc.field))
+                                                   exc.field, exc.retry_after))
             return
+        if self.core.next_deadline() is not None:
+            self.deadline_set.set()
         self.counters["accepted"] += 1
         self.tokenizer.put(am.Admitted(msg.request_id, len(msg.prompt_ids)))
         self._maybe_step()

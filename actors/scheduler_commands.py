@@ -165,7 +165,9 @@ def _tenant_row(values: Mapping[str, Any]) -> m.TenantRow:
     return m.TenantRow(weight=values["weight"], limits=m.TenantLimits(**values["limits"]),
                        configured=values["configured"], queues=values["queues"],
                        waiting=values["waiting"], running=values["running"],
-                       virtual_time=values["virtual_time"], totals=m.TenantTotals(**totals))
+                       virtual_time=values["virtual_time"], totals=m.TenantTotals(**totals),
+                       input_tokens_available=values["input_tokens_available"],
+                       output_tokens_available=values["output_tokens_available"])
 
 
 def latency_summary(summary: Mapping[str, Any]) -> m.LatencySummary:

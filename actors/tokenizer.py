@@ -267,7 +267,8 @@ class Tokenizer(Actor):
         )
         self.stream_users[msg.reply_to] += 1
         self.scheduler.put(am.Admit(msg.request_id, msg.connection, tuple(prompt_ids), sampling,
-                                   request.priority, request.tenant, msg.arrival))
+                                   request.priority, request.tenant, msg.arrival,
+                                   request.timeout))
 
     def _reject_invalid(self, msg: am.Encode, exc: InvalidParams) -> None:
         self._deliver_one(msg.reply_to, m.Rejected(
@@ -282,7 +283,8 @@ class Tokenizer(Actor):
         state = self._end(msg.request_id)
         if state is not None:
             self._deliver_one(state.reply_to, m.Rejected(
-                state.client_id, msg.code, msg.message, wire_field(msg.field, state.prompt_field)))
+                state.client_id, msg.code, msg.message, wire_field(msg.field, state.prompt_field),
+                msg.retry_after))
 
     async def on_release(self, msg: am.Release) -> None:
         """End what is held here; forward the rest behind its Admit (see the docstring)."""

@@ -186,12 +186,13 @@ class AsyncClient:
         top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
         stop: Sequence[str] = (), ignore_eos: bool = False, priority: int = 0,
         tenant: str | None = None, stop_token_ids: Sequence[int] = (), logprobs: bool = False,
-        top_logprobs: int = 0,
+        top_logprobs: int = 0, timeout: float | None = None,
     ) -> AsyncGeneration:
         """Send a request and wait until the daemon accepts it; raise if it refuses.
 
         `logprobs` asks for each sampled token's logprob, `top_logprobs` (which implies it)
-        for that many of the most likely tokens at each position as well."""
+        for that many of the most likely tokens at each position as well. `timeout`: seconds
+        after which the daemon ends the request with `timeout`, waiting or running."""
         rid = str(next(self._ids))
         try:  # refused here as the daemon would refuse it, without a round trip
             sampling = SamplingParams(
@@ -207,7 +208,7 @@ class AsyncClient:
         msg = m.Generate(rid, prompt=prompt, messages=chat,
                          prompt_ids=None if prompt_ids is None else tuple(prompt_ids),
                          sampling=sampling, priority=priority, tenant=tenant or self.tenant,
-                         credits=self.credit_window)
+                         credits=self.credit_window, timeout=timeout)
         frame = self._codec.encode(msg)
         await self._check_frame_size(frame)
         send, recv = trio.open_memory_channel[Any](math.inf)  # bounded by credits in practice

@@ -20,11 +20,13 @@ class DaemonGone(SluiceError):
 class RejectedError(SluiceError):
     code: RejectCode = RejectCode.INVALID
 
-    def __init__(self, message: str, *, field: str = "", request_id: str = ""):
+    def __init__(self, message: str, *, field: str = "", request_id: str = "",
+                 retry_after: float = 0.0):
         super().__init__(f"{self.code.name.lower()}: {message}" + (f" [{field}]" if field else ""))
         self.message = message
         self.field = field
         self.request_id = request_id
+        self.retry_after = retry_after  # seconds the daemon says to wait (0.0: no estimate)
 
 
 class InvalidRequestError(RejectedError):
@@ -64,4 +66,5 @@ REJECTED_ERRORS: dict[RejectCode, type[RejectedError]] = {
 
 def error_for(rejected: Rejected) -> RejectedError:
     cls = REJECTED_ERRORS.get(rejected.code, RejectedError)
-    return cls(rejected.message, field=rejected.field, request_id=rejected.request_id)
+    return cls(rejected.message, field=rejected.field, request_id=rejected.request_id,
+               retry_after=rejected.retry_after)

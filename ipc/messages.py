@@ -30,7 +30,10 @@ PROTOCOL_MAJOR = 2
 # 2.0: `Finished.timings` names each point a request passed (received, tokenized, queued,
 #      scheduled, prefill done, first token sent, finished) and the spans derived from them;
 #      `Accepted` has no `cached_tokens` (the prefix match happens after it is sent: the
-#      count is in `Finished.usage`). A 1.x peer cannot read a 2.0 `Finished`.
+#      count is in `Finished.usage`). A 1.x peer cannot read a 2.0 `Finished`. `Generate`
+#      may carry a `timeout`, `Rejected` a `retry_after`; tenants' limits list token rates,
+#      a KV cap, a priority clamp and a default timeout; `StatusReport.daemon` says what the
+#      daemon runs (version, model, executor, device, scheduler settings).
 # 1.1: `Generate.sampling` may ask for `logprobs`
 # 1.2: `ControlSnapshot.detail` is a typed `ConsoleDetail` instead of free-form maps; a 1.1
 #      console cannot read it (and a 1.2 console refuses a 1.1 daemon's detail)
@@ -113,6 +116,9 @@ class Generate:
     priority: int = 0  # higher runs first under the priority policy
     tenant: str = "default"
     credits: int = 16  # chunks the client can take before its first Credit
+    # seconds from the daemon's receipt after which the request ends with `timeout`,
+    # waiting or running (None: its tenant's default, if it has one)
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,9 @@ class Rejected:
     code: RejectCode
     message: str
     field: str = ""  # the offending field, dotted (e.g. "sampling.top_p")
+    # seconds after which the same request should be taken (a tenant over its token rate);
+    # 0.0: the daemon has no estimate
+    retry_after: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -282,6 +291,12 @@ class TenantLimits:
     max_queued: int | None = None  # its own cap, else the default cap of every tenant
     max_context: int | None = None
     max_new_tokens: int | None = None
+    input_tokens_per_minute: int | None = None  # token buckets: prompt tokens admitted
+    output_tokens_per_minute: int | None = None  # ... and max_tokens reserved
+    max_queue_wait: float | None = None  # seconds a request may expect to wait for the rates
+    max_kv_blocks: int | None = None
+    max_priority: int | None = None  # higher priorities are lowered to this
+    timeout: float | None = None  # seconds, for requests that name none
 
 
 @dataclass(frozen=True)
@@ -311,6 +326,9 @@ class TenantRow:
     running: int = 0  # requests holding KV, not counting paused ones
     virtual_time: float = 0.0  # the fair policy's clock of the tenant
     totals: TenantTotals = TenantTotals()
+    # what its token buckets hold now (None: no rate of that kind)
+    input_tokens_available: float | None = None
+    output_tokens_available: float | None = None
 
 
 @dataclass(frozen=True)
@@ -443,6 +461,12 @@ class TenantSet:
     max_queued: int | None = None
     max_context: int | None = None
     max_new_tokens: int | None = None
+    input_tokens_per_minute: int | None = None
+    output_tokens_per_minute: int | None = None
+    max_queue_wait: float | None = None
+    max_kv_blocks: int | None = None
+    max_priority: int | None = None
+    timeout: float | None = None
     # False: unset fields keep their value; True: they return to the defaults (weight 1, no
     # limit), so the tenant becomes exactly what this message says
     reset: bool = False

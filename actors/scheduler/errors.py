@@ -14,9 +14,10 @@ class AdmissionError(Exception):
 
     code: RejectCode = RejectCode.INVALID
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, *, retry_after: float = 0.0):
         self.field = field
         self.message = f"{field}: {message}" if field else message
+        self.retry_after = retry_after  # seconds after which the same request may fit (0: -)
         super().__init__(f"{self.code.name.lower()}: {self.message}")
 
 

@@ -39,7 +39,7 @@ FAILED_REASONS = frozenset({FinishReason.ERROR})
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """A generation request. Callers fill the first six fields; the scheduler owns the rest."""
+    """A generation request. Callers fill the first seven fields; the scheduler owns the rest."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -47,6 +47,7 @@ class Request:
     tenant: str = "default"
     priority: int = 0  # higher runs first under the priority policy and is preempted last
     arrival_time: float | None = None  # scheduler clock; None means "when added"
+    timeout: float | None = None  # seconds from arrival; None: its tenant's default, if any
 
     state: RequestState = field(default=RequestState.WAITING, init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)
@@ -69,6 +70,7 @@ class Request:
     sampling_seed: int = field(default=0, init=False)
     finish_reason: FinishReason | None = field(default=None, init=False)
     resume_state: RequestState | None = field(default=None, init=False)  # state before PAUSED
+    rate_charged: bool = field(default=False, init=False)  # its tenant's buckets paid for it
 
     # timestamps, all from the scheduler's clock; each is the first time it got there
     queued_time: float | None = field(default=None, init=False)

@@ -37,6 +37,7 @@ _REQUEST_KEYS = {
     "cancel_time",
     "prefix",
     "prefix_len",
+    "timeout",
 }
 _GENERATOR_KEYS = {
     "id_prefix",
@@ -51,6 +52,7 @@ _GENERATOR_KEYS = {
     "priority",
     "prefix",
     "prefix_len",
+    "timeout",
 }
 
 
@@ -83,6 +85,7 @@ class SimRequest:
     cancel_time: float | None = None
     prefix: str | None = None  # requests naming the same prefix share their first prefix_len tokens
     prefix_len: int = 0
+    timeout: float | None = None  # seconds from arrival; else its tenant's default
 
 
 @dataclass
@@ -175,6 +178,10 @@ def _parse_request(index: int, raw: dict[str, Any]) -> SimRequest:
         raw = {**raw, "arrival_round": 0}
     if "cancel_round" in raw and "cancel_time" in raw:
         raise ConfigError(f"{where}: give cancel_round or cancel_time, not both")
+    timeout = raw.get("timeout")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or not 0 < timeout < math.inf):
+        raise ConfigError(f"{where}.timeout: must be a number of seconds > 0")
     values = dict(raw)
     values["id"] = str(values["id"])
     return SimRequest(**values)
@@ -197,7 +204,7 @@ def _expand_generator(index: int, raw: dict[str, Any]) -> list[SimRequest]:
             "prompt": raw.get("prompt"),
             "output": raw.get("output"),
         }
-        for key in ("tenant", "priority", "prefix", "prefix_len"):
+        for key in ("tenant", "priority", "prefix", "prefix_len", "timeout"):
             if key in raw:
                 item[key] = raw[key]
         if by_time:

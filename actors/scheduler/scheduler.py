@@ -31,7 +31,8 @@ from sluice.actors.scheduler.plan_builder import PlanBuilder
 from sluice.actors.scheduler.policy import make_policy, preemption_key
 from sluice.actors.scheduler.request import FAILED_REASONS, Request, RequestState
 from sluice.actors.scheduler.request_table import RequestTable
-from sluice.actors.scheduler.tenant_ledger import TenantLedger
+from sluice.actors.scheduler.tenant_ledger import TenantLedger, TenantState
+from sluice.actors.scheduler.tenant_limits import Deadlines, KVCaps
 from sluice.ipc.vocabulary import FinishReason
 
 PREFILLING, DECODING, PAUSED = RequestState.PREFILLING, RequestState.DECODING, RequestState.PAUSED
@@ -55,11 +56,13 @@ class Scheduler:
             high_watermark=config.kv_high_watermark, low_watermark=config.kv_low_watermark,
         )
         self.policy = make_policy(config)
-        self.ledger = TenantLedger(config, self.policy.on_tenant_active)
+        self.ledger = TenantLedger(config, self.policy.on_tenant_active, clock)
+        self.deadlines = Deadlines()  # of requests with a timeout
         self.table = table = RequestTable(self.policy, config.aging_seconds, self.ledger)
         # the table's places, to read (every move goes through the table)
         self.requests, self.waiting, self.running = table.requests, table.waiting, table.running
         self.prefilling, self.paused = table.prefilling, table.paused
+        self.kv_caps = KVCaps(table.requests, self.ledger.limits, self.kv_cache.blocks_for)
         self.recently_ended = table.recently_ended
         self.num_preemptions = 0
         self.num_rejected = 0
@@ -87,8 +90,12 @@ class Scheduler:
             self.num_rejected += 1
             self.ledger.count_rejection(request.tenant)
             raise
+        self.ledger.clamp_priority(request)
         request.prepare(self.clock(), self._rng, self.eos_token_ids, self.max_model_len)
         self.table.add(request)
+        self.ledger.queued_new(request)
+        self.deadlines.watch(request, self.ledger.limits(request.tenant).timeout,
+                             len(self.requests))
 
     def _validate(self, request: Request) -> None:
         request.check_fields()
@@ -100,6 +107,7 @@ class Scheduler:
             raise TooLong("prompt_token_ids", f"{n} tokens leave no room to generate "
                           f"within max_model_len {self.max_model_len}")
         self.kv_cache.check_fits(n, min(n + request.sampling.max_tokens, self.max_model_len))
+        self.kv_caps.check(request)
         self.ledger.check_quota(request)
         if len(self.waiting) >= self.config.max_queued:
             raise Overloaded("queue", f"{len(self.waiting)} requests are already waiting")
@@ -118,6 +126,18 @@ class Scheduler:
         """End a request that the engine found complete (a stop string matched)."""
         request = self.requests.get(request_id)
         return None if request is None else self._end(request, reason, RequestState.FINISHED)
+
+    def expire(self) -> list[RequestOutput]:
+        """End with TIMEOUT every request past its deadline, wherever it is (its blocks freed)."""
+        outputs = []
+        for request in self.deadlines.expired(self.clock()):
+            if self.requests.get(request.request_id) is request:
+                outputs.append(self._end(request, FinishReason.TIMEOUT, RequestState.CANCELLED))
+        return outputs
+
+    def next_deadline(self) -> float | None:
+        """When `expire` may next have work (clock time), or None."""
+        return self.deadlines.next_deadline()
 
     def pause(self, request_id: str) -> None:
         """Stop stepping a request (its client is slow); KV it holds is kept."""
@@ -216,7 +236,8 @@ class Scheduler:
             if start >= len(request.all_token_ids):  # the toy mode's first decode
                 start -= 1
             if start + 1 > len(request.block_ids) * capacity:
-                if not self._grow(request, 1, may_preempt_self=True):
+                if not self._within_kv_cap(request) or not self._grow(request, 1,
+                                                                       may_preempt_self=True):
                     continue
             plan.add(request, start, 1, decode=True)
 
@@ -243,7 +264,7 @@ class Scheduler:
             if plan.probe is not None:
                 request = plan.first_queued_suspect(self.requests)
             else:
-                request = self.waiting.select(now, self.ledger.tenants, self.ledger.may_run,
+                request = self.waiting.select(now, self.ledger.tenants, self._may_start,
                                               self._iteration_seconds)
                 if request is not None and not plan.may_plan(request, self.bisection.suspects):
                     return  # a suspect is next in line: it waits for its probe
@@ -261,6 +282,7 @@ class Scheduler:
             kv.free(hits)
             return False
         self.table.start_prefill(request)
+        self.ledger.admitted(request)
         if reserve:
             kv.reserve(request)
         request.kv_since = self.clock()
@@ -279,6 +301,12 @@ class Scheduler:
                 plan.prefill_room)
         if n <= 0:
             return
+        room = self.kv_caps.room(request.tenant)
+        if room is not None and kv.blocks_for(start + n) - len(request.block_ids) > room:
+            # its tenant's KV cap: only the chunk that fits, or wait for the tenant's own ends
+            n = (len(request.block_ids) + room) * kv.block_size - start
+            if n <= 0:
+                return
         missing = kv.blocks_for(start + n) - len(request.block_ids)
         if missing > 0 and not kv.can_allocate(missing):
             if not (may_preempt and self._grow(request, missing, may_preempt_self=False)):
@@ -313,6 +341,19 @@ class Scheduler:
                 return False
             self._preempt(victim)
         self._take_blocks(request, num_blocks)
+        return True
+
+    def _may_start(self, tenant: TenantState, request: Request) -> bool:
+        """The tenant's next in line may be admitted: its caps, its rates, its KV cap."""
+        return self.ledger.may_start(tenant, request) and self.kv_caps.fits_prompt(request)
+
+    def _within_kv_cap(self, request: Request) -> bool:
+        """Room for one more block under its tenant's KV cap, preempting the tenant's own
+        youngest for it; False when that was `request` itself."""
+        while (victim := self.kv_caps.make_way(request)) is not None:
+            self._preempt(victim)
+            if victim is request:
+                return False
         return True
 
     def _take_blocks(self, request: Request, num_blocks: int) -> None:
@@ -387,6 +428,7 @@ class Scheduler:
         computed = request.num_computed_tokens
         self._drop_kv(request)
         request.num_computed_tokens = computed  # kept for inspection of the ended request
+        self.ledger.request_ended(request)
         self.table.remove(request, reason)
         self.bisection.forget(request.request_id)
         return request.ended(reason, state, self.clock(), error,

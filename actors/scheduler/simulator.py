@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.actors.scheduler.errors import Quota
 from sluice.actors.scheduler.scheduler import Scheduler
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
 from sluice.actors.scheduler.request import Request
@@ -18,6 +19,10 @@ from sluice.actors.scheduler.scenario import Scenario, SimRequest, percentile
 from sluice.ipc.vocabulary import FinishReason
 
 _TOKEN = 1  # what the simulated model always samples; never a stop token
+# simulated seconds between looks while only token buckets hold requests back; a bucket
+# holds a minute's tokens, so past a minute of that nothing will ever run
+RATE_WAIT_STEP = 0.25
+RATE_WAIT_LIMIT = 61.0
 
 
 class SimClock:
@@ -39,6 +44,8 @@ class RequestTrace:
     preemptions: int = 0
     cached_tokens: int = 0
     recomputed_tokens: int = 0
+    rejected: str | None = None  # the reject code, for a request refused at arrival (a rate)
+    retry_after: float = 0.0
 
 
 @dataclass
@@ -84,6 +91,8 @@ class SimulationResult:
                 "preemptions": trace.preemptions,
                 "cached_tokens": trace.cached_tokens,
                 "recomputed_tokens": trace.recomputed_tokens,
+                "rejected": trace.rejected,
+                "retry_after": trace.retry_after,
             }
         output_tokens = sum(len(t.token_times) for t in self.requests.values())
         normalised = [v["service"] / v["weight"] for v in tenants.values()]
@@ -101,6 +110,7 @@ class SimulationResult:
                 "itl_p99": percentile(gaps, 99),
                 "jain_weighted_service": jain_index(normalised),
                 "preemptions": self.scheduler.num_preemptions,
+                "rejected": sum(t.rejected is not None for t in self.requests.values()),
             },
         }
 
@@ -126,6 +136,7 @@ def simulate(scenario: Scenario, *, check_invariants: bool = False) -> Simulatio
     traces: dict[str, RequestTrace] = {}
     rounds: list[dict[str, Any]] = []
     now, round_no = 0.0, 0
+    stalled_since: float | None = None  # since when no plan had work (rates, timeouts)
     prefixes: dict[str, int] = {}
     while True:
         if scenario.max_rounds is not None and round_no >= scenario.max_rounds:
@@ -136,8 +147,12 @@ def simulate(scenario: Scenario, *, check_invariants: bool = False) -> Simulatio
         while pending and _due(pending[0], round_no, now):
             spec = pending.pop(0)
             arrival = spec.arrival_time if spec.arrival_time is not None else now
-            traces[spec.id] = RequestTrace(spec.tenant, arrival)
-            sched.add_request(_make_request(spec, arrival, len(traces), prefixes))
+            trace = traces[spec.id] = RequestTrace(spec.tenant, arrival)
+            try:
+                sched.add_request(_make_request(spec, arrival, len(traces), prefixes))
+            except Quota as exc:  # a tenant's limit refuses it, as the daemon would
+                trace.rejected, trace.retry_after = exc.code.name.lower(), exc.retry_after
+                trace.finish_time = now
         cancelled = []
         while cancels and _cancel_due(cancels[0], round_no, now):
             spec = cancels.pop(0)
@@ -145,6 +160,9 @@ def simulate(scenario: Scenario, *, check_invariants: bool = False) -> Simulatio
             if out is not None:
                 _record_end(traces[spec.id], out, now)
                 cancelled.append(spec.id)
+        for out in sched.expire():  # timeouts end like cancellations, in the round they pass
+            _record_end(traces[out.request_id], out, now)
+            cancelled.append(out.request_id)
         if not sched.has_unfinished():
             if cancelled:  # the round consisted only of cancellations
                 rounds.append(
@@ -167,11 +185,17 @@ def simulate(scenario: Scenario, *, check_invariants: bool = False) -> Simulatio
                 round_no = max(round_no + 1, nxt.arrival_round or 0)
             continue
         plan = sched.schedule()
-        if not plan.seqs:  # everyone waits on something only an arrival or a cancel changes
-            if not pending and not cancels:
-                raise RuntimeError("simulation stalled: requests wait but nothing can run")
+        if plan.seqs or stalled_since is None:
+            stalled_since = now
+        if not plan.seqs:  # everyone waits: for an arrival, a cancel, a timeout or a rate
             upcoming = [r.arrival_time for r in pending[:1] if r.arrival_time is not None]
             upcoming += [r.cancel_time for r in cancels[:1] if r.cancel_time is not None]
+            if sched.next_deadline() is not None:
+                upcoming.append(sched.next_deadline())
+            if sched.ledger.rates.buckets and now - stalled_since < RATE_WAIT_LIMIT:
+                upcoming.append(now + RATE_WAIT_STEP)  # a token bucket refills meanwhile
+            if not upcoming and not pending and not cancels:
+                raise RuntimeError("simulation stalled: requests wait but nothing can run")
             now = max(now, min(upcoming, default=now))
             round_no += 1
             continue
@@ -252,9 +276,8 @@ def _make_request(
         n = min(spec.prefix_len, spec.prompt)
         tokens[:n] = range(shared_base, shared_base + n)
     sampling = SamplingParams(max_tokens=spec.output, temperature=0.0, ignore_eos=True)
-    return Request(
-        spec.id, tokens, sampling, tenant=spec.tenant, priority=spec.priority, arrival_time=arrival
-    )
+    return Request(spec.id, tokens, sampling, tenant=spec.tenant, priority=spec.priority,
+                   arrival_time=arrival, timeout=spec.timeout)
 
 
 def _record_end(trace: RequestTrace, out, when: float) -> None:

@@ -5,7 +5,8 @@ It owns the tenants' limits (the scheduler config's tenant table, changed at run
 counters and the fair policy's virtual time), and the usage of every tenant that ever ran
 (`TenantUsage`, kept while the tenant is idle because metrics and billing count it). The
 scheduler tells it when a request of a tenant arrives, moves, runs and ends; it answers
-whether a request is within its tenant's quota and whether a tenant may run one more.
+whether a request is within its tenant's quota and whether a tenant may run one more. The
+token buckets of tenants with rates are `tenant_limits.TenantRates`, kept here.
 Which request runs next is the policy's (`policy.py`); the queues are the scheduler's.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 from sluice.actors.scheduler.config import DEFAULT_TENANT, SchedulerConfig, TenantConfig
 from sluice.actors.scheduler.errors import InvalidRequest, Quota
 from sluice.actors.scheduler.request import Request
+from sluice.actors.scheduler.tenant_limits import TenantRates
 
 
 @dataclass(slots=True)
@@ -60,6 +62,10 @@ class TenantState:
     live: int = 0  # requests not ended (waiting, running, paused or preempted)
     waiting: int = 0
     running: int = 0  # requests holding KV (prefilling or decoding), not counting paused
+    # prompt tokens and max_tokens of its requests that wait for their first admission (what
+    # its token buckets must still pay for)
+    queued_input: int = 0
+    queued_output: int = 0
 
 
 # the policy's hook for a tenant that had no live request and now has one
@@ -67,9 +73,14 @@ OnTenantActive = Callable[[TenantState, Sequence[TenantState]], None]
 
 
 class TenantLedger:
-    def __init__(self, config: SchedulerConfig, on_tenant_active: OnTenantActive):
+    def __init__(self, config: SchedulerConfig, on_tenant_active: OnTenantActive,
+                 clock: Callable[[], float]):
         self.config = config
         self.on_tenant_active = on_tenant_active
+        self.clock = clock
+        self.rates = TenantRates()
+        for name, tenant in config.tenants.items():
+            self.rates.configure(name, tenant, clock())
         self.tenants: dict[str, TenantState] = {}  # tenants with live requests only
         # what each tenant that ever ran has used, as of when it last went idle (metrics and
         # billing read it); `tenant_usage(name)` adds what an active tenant used since
@@ -85,6 +96,7 @@ class TenantLedger:
         tenants = dict(self.config.tenants)
         tenants[name] = tenant
         self.config = dataclasses.replace(self.config, tenants=tenants)
+        self.rates.configure(name, tenant, self.clock())
         if name in self.tenants:  # an idle tenant picks its config up when it becomes active
             self.tenants[name].config = tenant
         return self.config
@@ -123,12 +135,51 @@ class TenantLedger:
                 "tenant", f"{request.tenant!r} already has {queued} requests queued "
                 f"(max_queued {max_queued})"
             )
+        self._check_rates(request, limits, tenant)
 
-    @staticmethod
-    def may_run(tenant: TenantState) -> bool:
-        """Whether the tenant may have one more request holding KV."""
+    def _check_rates(self, request: Request, limits: TenantConfig,
+                     tenant: TenantState | None) -> None:
+        """Refuse a request its tenant's token buckets cannot take: one too big for them at
+        once; one whose wait would pass `max_queue_wait`, with the wait as retry_after."""
+        if request.tenant not in self.rates.buckets:
+            return
+        field = self.rates.exceeds(request)
+        if field is not None:
+            raise Quota(field, f"exceeds what tenant {request.tenant!r} may use per minute "
+                        f"({limits.input_tokens_per_minute} input, "
+                        f"{limits.output_tokens_per_minute} output tokens)")
+        if limits.max_queue_wait is None:
+            return
+        ahead = (tenant.queued_input, tenant.queued_output) if tenant is not None else (0, 0)
+        wait = self.rates.wait(request, self.clock(), *ahead)
+        if wait > limits.max_queue_wait:
+            raise Quota("tenant", f"{request.tenant!r} is over its token rate: this request "
+                        f"would wait {wait:.1f} s (max_queue_wait {limits.max_queue_wait})",
+                        retry_after=wait)
+
+    def clamp_priority(self, request: Request) -> None:
+        """Lower a priority above the tenant's `max_priority` to it."""
+        ceiling = self.config.tenant(request.tenant).max_priority
+        if ceiling is not None and request.priority > ceiling:
+            request.priority = ceiling
+
+    def may_start(self, tenant: TenantState, request: Request) -> bool:
+        """Whether `request`, its tenant's next in line, may be admitted now: within the
+        tenant's running cap and, for a first admission, its token buckets."""
         limit = tenant.config.max_running
-        return limit is None or tenant.running < limit
+        if limit is not None and tenant.running >= limit:
+            return False
+        return request.rate_charged or self.rates.affords(request, self.clock())
+
+    def admitted(self, request: Request) -> None:
+        """It left the queue for the running set: a first admission pays its tokens."""
+        if request.rate_charged:
+            return
+        request.rate_charged = True
+        self.rates.charge(request)
+        tenant = self.tenants[request.tenant]
+        tenant.queued_input -= len(request.prompt_token_ids)
+        tenant.queued_output -= request.sampling.max_tokens
 
     # -- a tenant's requests --------------------------------------------------------------
     def open_request(self, name: str) -> TenantState:
@@ -142,6 +193,22 @@ class TenantLedger:
             self.on_tenant_active(tenant, [t for t in self.tenants.values() if t.live > 0])
         tenant.live += 1
         return tenant
+
+    def queued_new(self, request: Request) -> None:
+        """A new request waits for its first admission (what its buckets must pay)."""
+        tenant = self.tenants[request.tenant]
+        tenant.queued_input += len(request.prompt_token_ids)
+        tenant.queued_output += request.sampling.max_tokens
+
+    def request_ended(self, request: Request) -> None:
+        """Settle its tokens: unused output back to the bucket, or, never admitted, out of
+        its tenant's queued demand."""
+        if request.rate_charged:
+            self.rates.refund(request)
+            return
+        tenant = self.tenants[request.tenant]
+        tenant.queued_input -= len(request.prompt_token_ids)
+        tenant.queued_output -= request.sampling.max_tokens
 
     def close_request(self, name: str) -> None:
         """A request of `name` ended; the tenant's last one retires its scheduling state.
@@ -253,7 +320,14 @@ class TenantLedger:
                 "max_queued": self.config.max_queued_of(name),
                 "max_context": limits.max_context,
                 "max_new_tokens": limits.max_new_tokens,
+                "input_tokens_per_minute": limits.input_tokens_per_minute,
+                "output_tokens_per_minute": limits.output_tokens_per_minute,
+                "max_queue_wait": limits.max_queue_wait,
+                "max_kv_blocks": limits.max_kv_blocks,
+                "max_priority": limits.max_priority,
+                "timeout": limits.timeout,
             },
+            **self.rates.levels(name),
             # set up by the config or an operator (not only named by a client)
             "configured": self.config.is_configured(name),
             "queues": dict(queues),

@@ -86,25 +86,26 @@ class WaitQueue:
         self,
         now: float,
         tenants: dict[str, TenantState],
-        eligible: Callable[[TenantState], bool],
+        eligible: Callable[[TenantState, Request], bool],
         iteration_seconds: float = 0.0,
     ) -> Request | None:
         """The request to admit next (left in the queue), or None when nobody eligible waits.
 
-        A request that would pass `max_wait` by waiting one more iteration goes first.
+        A request that would pass `max_wait` by waiting one more iteration goes first. A
+        tenant whose next request is not `eligible` (a cap, its token rate) is passed over.
         """
         if self._size == 0:
             return None
         overdue = self._top(self._by_arrival)
         if overdue is not None and now + iteration_seconds - overdue.arrival_time >= self.max_wait:
-            if eligible(tenants[overdue.tenant]):
+            if eligible(tenants[overdue.tenant], overdue):
                 return overdue
         tops = []
         for name, heap in self._heaps.items():
             tenant = tenants[name]
-            if tenant.waiting and eligible(tenant):
+            if tenant.waiting:
                 top = self._top_entry(heap)
-                if top is not None:
+                if top is not None and eligible(tenant, top[3]):
                     tops.append((tenant, top[0]))
         if not tops:
             return None

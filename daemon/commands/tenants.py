@@ -9,7 +9,12 @@ import sys
 
 from sluice.tui.operator import add_common_arguments, control_address, run_command
 
-_LIMITS = ("max_running", "max_queued", "max_context", "max_new_tokens")
+_LIMITS = {"max_running": int, "max_queued": int, "max_context": int, "max_new_tokens": int,
+           "input_tokens_per_minute": int, "output_tokens_per_minute": int,
+           "max_queue_wait": float, "max_kv_blocks": int, "max_priority": int,
+           "timeout": float}
+# `--timeout` is how long the command waits for the daemon: the tenant's is --request-timeout
+_DEST = {"timeout": "request_timeout"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", choices=("list", "set"), default="list")
     parser.add_argument("name", nargs="?", help="tenant to change (with 'set')")
     parser.add_argument("--weight", type=float, default=None)
-    for limit in _LIMITS:
-        parser.add_argument(f"--{limit.replace('_', '-')}", type=int, default=None)
+    for limit, kind in _LIMITS.items():
+        dest = _DEST.get(limit, limit)
+        parser.add_argument(f"--{dest.replace('_', '-')}", dest=dest, type=kind, default=None)
     parser.add_argument("--reset", action="store_true",
                         help="what is not given returns to the defaults (weight 1, no limits) "
                              "instead of keeping its value")
@@ -31,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.name:
             print("sluice tenants set: a tenant NAME is required", file=sys.stderr)
             return 2
-        limits = {k: getattr(args, k) for k in _LIMITS}
+        limits = {k: getattr(args, _DEST.get(k, k)) for k in _LIMITS}
         return run_command(args, m.TenantSet(args.name, weight=args.weight, **limits,
                                              reset=args.reset))
     return _list(args)
@@ -55,10 +61,28 @@ def _list(args: argparse.Namespace) -> int:
         return 0
     total = sum(t.totals.service for t in tenants.values()) or 1.0
     print(f"{'tenant':<16}{'weight':>8}{'share':>8}{'running':>9}{'queued':>8}"
-          f"{'tokens':>10}{'preempt':>9}")
+          f"{'tokens':>10}{'preempt':>9}  limits")
     for name, t in sorted(tenants.items()):
         used = t.totals
         print(f"{name:<16}{t.weight:>8g}{used.service / total:>8.0%}{t.running:>9}"
               f"{t.waiting:>8}{used.prefill_tokens + used.decode_tokens:>10}"
-              f"{used.preemptions:>9}")
+              f"{used.preemptions:>9}  {_limits_text(t)}")
     return 0
+
+
+def _limits_text(tenant) -> str:
+    """The limits a tenant has, with what its token buckets hold now: `in/min=6000(4200)`."""
+    shown = []
+    for name, value in vars(tenant.limits).items():
+        if value is None:
+            continue
+        text = f"{_SHORT.get(name, name)}={value:g}"
+        available = {"input_tokens_per_minute": tenant.input_tokens_available,
+                     "output_tokens_per_minute": tenant.output_tokens_available}.get(name)
+        if available is not None:
+            text += f"({available:.0f})"
+        shown.append(text)
+    return " ".join(shown) or "-"
+
+
+_SHORT = {"input_tokens_per_minute": "in/min", "output_tokens_per_minute": "out/min"}

@@ -36,7 +36,10 @@ async def wait_for_records(path, count: int) -> list[dict]:
 
 async def test_usage_file_sums_to_the_counters_and_the_clients(null_daemon, tmp_path) -> None:
     path = tmp_path / "usage.jsonl"
-    handle = await null_daemon(metrics_port=0, scheduler={"tenants": {"a": {}, "b": {}}},
+    # a's KV cap (4 blocks of 16 tokens) holds one of two 40-token requests, not both: the
+    # younger is preempted when they grow, and recomputes
+    tenants = {"a": {"max_kv_blocks": 4}, "b": {}}
+    handle = await null_daemon(metrics_port=0, scheduler={"tenants": tenants},
                                **{"usage.path": str(path), "stream.pause_timeout": 0.5})
     told: dict[str, list] = {"a": [], "b": []}
     with trio.fail_after(60):
@@ -45,6 +48,8 @@ async def test_usage_file_sums_to_the_counters_and_the_clients(null_daemon, tmp_
                 AsyncClient(handle.listen, tenant="b", credit_window=1) as slow:
             for i in range(3):
                 told["a"].append(await (await a.generate(f"alpha {i}", max_tokens=8)).collect())
+            pair = [await a.generate(f"alpha pair {i}", max_tokens=40) for i in range(2)]
+            told["a"] += [await generation.collect() for generation in pair]
             for i in range(2):
                 told["b"].append(await (await b.generate(f"beta {i}", max_tokens=5)).collect())
             cancelled = await b.generate("beta long", max_tokens=3000)
@@ -56,11 +61,13 @@ async def test_usage_file_sums_to_the_counters_and_the_clients(null_daemon, tmp_
                 await trio.sleep(0.02)
             await trio.sleep(1.0)  # past pause_timeout, unread: it times out
             told["b"].append(await unread.collect())
-    records = await wait_for_records(path, 7)
-    assert len(records) == 7 and len({r["request_id"] for r in records}) == 7
+    records = await wait_for_records(path, 9)
+    assert len(records) == 9 and len({r["request_id"] for r in records}) == 9
     reasons = Counter((r["tenant"], r["finish_reason"]) for r in records)
-    assert reasons == {("a", "length"): 3, ("b", "length"): 2, ("b", "cancelled"): 1,
+    assert reasons == {("a", "length"): 5, ("b", "length"): 2, ("b", "cancelled"): 1,
                        ("b", "timeout"): 1}
+    preempted = [r for r in records if r["preemptions"]]
+    assert len(preempted) == 1 and preempted[0]["recomputed_tokens"] > 0
 
     # the file equals what each client was told
     for tenant, results in told.items():
@@ -69,6 +76,8 @@ async def test_usage_file_sums_to_the_counters_and_the_clients(null_daemon, tmp_
             res.usage.completion_tokens for res in results)
         assert sum(r["prompt_tokens"] for r in mine) == sum(res.usage.prompt_tokens
                                                             for res in results)
+        assert sum(r["recomputed_tokens"] for r in mine) == sum(
+            res.usage.recomputed_tokens for res in results)
         assert Counter(r["finish_reason"] for r in mine) == Counter(res.finish_reason
                                                                     for res in results)
 
@@ -87,8 +96,10 @@ async def test_usage_file_sums_to_the_counters_and_the_clients(null_daemon, tmp_
                            (("reason", reason), ("tenant", tenant)))] == count
         assert values[("sluice_tenant_usage_kv_block_seconds_total", (("tenant", tenant),))] \
             == pytest.approx(sum(r["kv_block_seconds"] for r in mine))
+        assert values[("sluice_tenant_usage_preemptions_total", (("tenant", tenant),))] == sum(
+            r["preemptions"] for r in mine)
     assert values[("sluice_e2e_request_latency_seconds_count", (("tenant", "b"),))] == 4
-    assert values[("sluice_time_to_first_token_seconds_count", (("tenant", "a"),))] == 3
+    assert values[("sluice_time_to_first_token_seconds_count", (("tenant", "a"),))] == 5
 
     # every point in order, each span from its own points
     for r in records:
@@ -108,7 +119,7 @@ async def test_usage_file_sums_to_the_counters_and_the_clients(null_daemon, tmp_
     async with AsyncClient(handle.listen, tenant="a") as a:
         await (await a.generate("after rotation", max_tokens=2)).collect()
     assert [r["finish_reason"] for r in await wait_for_records(path, 1)] == ["length"]
-    assert len(read_records(tmp_path / "usage.jsonl.1")) == 7
+    assert len(read_records(tmp_path / "usage.jsonl.1")) == 9
 
 
 async def test_sighup_reopens_the_usage_file_and_a_restart_appends(sluiced, tmp_path) -> None:

@@ -39,10 +39,29 @@ async def test_operator_subcommands_drive_the_daemon(null_daemon, tmp_path) -> N
         assert reset.returncode == 0, reset.stderr
         listed = json.loads((await sluice("tenants", *at, "--json")).stdout)
         assert listed["batch"]["weight"] == 1.0
-        assert listed["batch"]["limits"] == {"max_running": None, "max_queued": 9,
-                                             "max_context": None, "max_new_tokens": None}
+        assert listed["batch"]["limits"] == {
+            "max_running": None, "max_queued": 9, "max_context": None, "max_new_tokens": None,
+            "input_tokens_per_minute": None, "output_tokens_per_minute": None,
+            "max_queue_wait": None, "max_kv_blocks": None, "max_priority": None,
+            "timeout": None}
         table = (await sluice("tenants", *at)).stdout.splitlines()
         assert table[0].split()[:3] == ["tenant", "weight", "share"]
+        limited = await sluice("tenants", *at, "set", "batch", "--output-tokens-per-minute",
+                               "600", "--max-queue-wait", "2.5", "--max-priority", "3",
+                               "--request-timeout", "30")
+        assert limited.returncode == 0, limited.stderr
+        listed = json.loads((await sluice("tenants", *at, "--json")).stdout)
+        limits = listed["batch"]["limits"]
+        assert (limits["output_tokens_per_minute"], limits["max_queue_wait"],
+                limits["max_priority"], limits["timeout"], limits["max_queued"]) == (
+            600, 2.5, 3, 30.0, 9)
+        assert listed["batch"]["output_tokens_available"] == 600.0  # a full bucket
+        assert listed["batch"]["input_tokens_available"] is None  # no input rate
+        row = next(line for line in (await sluice("tenants", *at)).stdout.splitlines()
+                   if line.startswith("batch"))
+        assert "out/min=600(600)" in row and "max_priority=3" in row
+        bad = await sluice("tenants", *at, "set", "batch", "--input-tokens-per-minute", "0")
+        assert bad.returncode != 0 and "input_tokens_per_minute" in bad.stdout + bad.stderr
 
         missing = await sluice("cancel", "nope/1", *at, "--json")
         assert missing.returncode == 1 and json.loads(missing.stdout)["ok"] is False

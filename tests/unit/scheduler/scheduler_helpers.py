@@ -38,6 +38,7 @@ def req(
     priority: int = 0,
     arrival: float | None = None,
     first: int = 1000,
+    timeout: float | None = None,
     **sampling,
 ) -> Request:
     """A request whose prompt is `prompt_len` distinct tokens starting at `first`."""
@@ -48,6 +49,7 @@ def req(
         tenant=tenant,
         priority=priority,
         arrival_time=arrival,
+        timeout=timeout,
     )
 
 
