@@ -58,9 +58,10 @@ class Engine:
                  runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None):
         config = scheduler_config or SchedulerConfig()
         if runner is None:
+            largest_step = config.token_budget / min(config.prefill_weight, config.decode_weight)
             runner = ModelRunner(model, dtype=dtype, kv_dtype=kv_dtype, device=device,
                                  num_blocks=num_blocks or None, block_size=config.block_size,
-                                 max_model_len=max_model_len)
+                                 max_model_len=max_model_len, profile_tokens=int(largest_step))
         self.runner = runner
         self.tokenizer = tokenizer or load_tokenizer(runner.model_path)
         config = dataclasses.replace(config, kv_blocks=runner.num_blocks,

@@ -9,6 +9,11 @@ iteration; pauses and resumes wait for the step in flight. All of them come from
 Tokenizer behind the request's `Admit` (what a Stream says about a request takes that one
 route), so a request this actor does not know has ended already, and its release is moot.
 
+A step the worker ran out of memory in (`StepOutOfMemory`) did not happen: the core forgets
+it, and the next plans get half its token budget, doubling back with each step that runs
+(`scheduler.step_budget`). At the smallest budget the worker is replaced instead, and the
+step is charged as a lost one.
+
 `WorkerLost` voids the step in flight and sends every request holding KV back to the queue
 to recompute; the core then runs the lost step's requests apart (bisection), and the one
 that was alone in the lost step of `max_step_losses` workers ends with `error`: whatever in
@@ -48,12 +53,19 @@ import trio
 from sluice.actors import messages as am
 from sluice.actors import scheduler_commands as commands
 from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
-from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_result, encode_plan
+from sluice.actors.executor.worker import (
+    PlanFrame,
+    ResultFrame,
+    StepOutOfMemory,
+    decode_result,
+    encode_plan,
+)
 from sluice.actors.limits import Limits, clip
 from sluice.actors.reports import Backlog, Histogram, MetricsQuery, MetricsSnapshot
 from sluice.actors.scheduler import AdmissionError, Request, Scheduler
 from sluice.actors.scheduler.latency import LatencyLog
 from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult
+from sluice.actors.scheduler.step_budget import StepBudget
 from sluice.ipc import messages as m
 
 log = structlog.get_logger("sluice.scheduler")
@@ -89,6 +101,7 @@ class SchedulerActor(Actor):
         self.initial_worker_ready = worker_ready
         self.counters = {"accepted": 0, "finished": 0, "cancelled": 0, "rejected": 0}
         self.epoch = 0  # incarnations of this actor; part of every step id it sends
+        self.oom_steps = 0  # steps the worker ran out of memory in
         self.draining = False
         self.latency = LatencyLog(histograms=latency_histograms)
         self.askers = Outboxes()  # whoever sent Ask or Operate (the control actor)
@@ -96,6 +109,7 @@ class SchedulerActor(Actor):
     def reset(self) -> None:
         self.epoch += 1
         self.core = self.make_core()
+        self.step_budget = StepBudget.for_config(self.core.config)
         self.in_flight: StepPlan | None = None
         self.deferred: list[am.PauseDecoding | am.ResumeDecoding] = []
         self.between_steps: list[Callable[[], None]] = []  # checks that wait for no step
@@ -138,6 +152,7 @@ class SchedulerActor(Actor):
             am.PauseDecoding: self.on_pause_or_resume,
             am.ResumeDecoding: self.on_pause_or_resume,
             ResultFrame: self.on_result_frame,
+            StepOutOfMemory: self.on_step_out_of_memory,
             am.WorkerLost: self.on_worker_lost,
             am.WorkerReady: self.on_worker_ready,
             am.WorkerFailed: self.on_worker_failed,
@@ -228,8 +243,28 @@ class SchedulerActor(Actor):
             log.debug("stale step result ignored", step_id=result.step_id)
             return
         self.in_flight = None
+        self.step_budget.step_ran()
         self.latency.step(plan, trio.current_time() - self.step_sent)
         self._emit(self.core.update(plan, result))
+        self._after_step()
+
+    async def on_step_out_of_memory(self, msg: StepOutOfMemory) -> None:
+        plan = self.in_flight
+        if plan is None or self._wire_step_id(plan) != msg.step_id:
+            return  # voided already, as for a result
+        self.oom_steps += 1
+        cfg = self.core.config
+        used = plan.prefill_tokens * cfg.prefill_weight + plan.decode_tokens * cfg.decode_weight
+        if not self.step_budget.out_of_memory(used):
+            log.error("step out of memory at the smallest budget: replacing the worker",
+                      tokens=plan.num_tokens)
+            self.executor.put(am.Recover())
+            await self.on_worker_lost(am.WorkerLost("out of memory at the smallest step"))
+            return
+        self.in_flight = None
+        log.warning("step out of memory: planned again smaller", tokens=plan.num_tokens,
+                    token_budget=self.step_budget.limit)
+        self._emit(self.core.step_not_run(plan))
         self._after_step()
 
     async def on_worker_lost(self, msg: am.WorkerLost) -> None:
@@ -301,7 +336,9 @@ class SchedulerActor(Actor):
             if self._downstream_busy():
                 self.waiting_for_room = True  # the next Backlog with room steps again
                 return
-            plan = self.core.schedule()
+            core = self.core
+            decodes = len(core.running) - len(core.prefilling)
+            plan = core.schedule(self.step_budget.next(decodes * core.config.decode_weight))
             if plan.seqs:
                 self.in_flight = plan
                 self.step_sent = trio.current_time()
@@ -394,7 +431,7 @@ class SchedulerActor(Actor):
 
     def _worker_status(self) -> m.WorkerStatus:
         return m.WorkerStatus(self.worker_state, self.worker_restarts, self.worker_pid,
-                              self.worker_failure, *self.worker_dtypes)
+                              self.worker_failure, *self.worker_dtypes, oom_steps=self.oom_steps)
 
     async def on_drain(self, msg: am.Drain) -> None:
         self.draining = True

@@ -205,6 +205,9 @@ class _SchedulerCollector:
                                 value=1.0 if report.worker.state == "ready" else 0.0)
         yield CounterMetricFamily("sluice_worker_restarts", "Worker restarts",
                                   value=report.worker.restarts)
+        yield CounterMetricFamily("sluice_worker_oom_steps",
+                                  "Steps the worker ran out of memory in (each planned again)",
+                                  value=report.worker.oom_steps)
         yield GaugeMetricFamily("sluice_draining", "1 while the daemon does not admit",
                                 value=1.0 if report.state != "serving" else 0.0)
 

@@ -32,6 +32,7 @@ from sluice.actors.control import Control, ControlHooks, Questions
 from sluice.actors.executor.actor import Executor
 from sluice.actors.executor.loader import resolve_model_path
 from sluice.actors.executor.null import NullExecutor
+from sluice.actors.executor.worker import InjectOutOfMemory
 from sluice.actors.gateway import Gateway
 from sluice.actors.http import HttpFront
 from sluice.actors.reports import (
@@ -263,7 +264,8 @@ class Daemon:
     def _control_hooks(self, gateway_inbox: Inbox) -> ControlHooks:
         faults = None
         if self.config.debug_faults:
-            faults = {"worker_down": self._stop_worker}  # vanish_stream: the gateway's own
+            faults = {"worker_down": self._stop_worker,  # vanish_stream: the gateway's own
+                      "oom_next_step": self._out_of_memory_next_step}
         return ControlHooks(gateway=gateway_inbox, tokenizer=self._inboxes["tokenizer"],
                             recover=self.recover, faults=faults, http=self._inboxes.get("http"))
 
@@ -284,6 +286,10 @@ class Daemon:
         self._scheduler_inbox.put(am.WorkerLost("worker stopped"))
         return "worker stopped"
 
+    async def _out_of_memory_next_step(self) -> str:
+        self._inboxes["executor"].put(InjectOutOfMemory())
+        return "the worker's next step runs out of memory"
+
     def _make_executor(self, tokenizer, scheduler_inbox: Inbox) -> Actor:
         cfg = self.config
         if cfg.executor == "null":
@@ -296,6 +302,10 @@ class Daemon:
             spec = dataclasses.replace(spec, model=cfg.model)
         if spec.runtime_dir is None:
             spec = dataclasses.replace(spec, runtime_dir=str(runtime_dir()))
+        if spec.profile_tokens is None:  # the largest step the scheduler may plan
+            core = SchedulerConfig.from_dict({**cfg.scheduler, "kv_blocks": 1})
+            tokens = core.token_budget / min(core.prefill_weight, core.decode_weight)
+            spec = dataclasses.replace(spec, profile_tokens=max(1, int(tokens)))
         return Executor(spec, scheduler=scheduler_inbox)
 
     async def drain(self, deadline: float | None = None) -> bool:

@@ -222,6 +222,7 @@ class WorkerStatus:
     failure: str = ""
     dtype: str = ""  # the weights' dtype the worker runs ("" for the null executor)
     kv_dtype: str = ""  # the KV pool's dtype
+    oom_steps: int = 0  # steps the worker ran out of memory in, each planned again smaller
 
 
 @dataclass(frozen=True)
@@ -481,7 +482,8 @@ class InjectFault:
 
     Kinds: `leak_block` (a KV block referenced by no request), `vanish_stream` (drop one
     connection's stream without telling anyone), `worker_down` (stop the worker),
-    `crash_scheduler` (the scheduler actor raises after answering; its supervisor restarts it).
+    `crash_scheduler` (the scheduler actor raises after answering; its supervisor restarts it),
+    `oom_next_step` (the worker's next step raises torch's out-of-memory error in its forward).
     """
 
     TAG: ClassVar[int] = 42

@@ -8,7 +8,9 @@ It spawns the worker, waits for its `hello`, verifies it with a known-answer for
 first worker's answer is the known one; every later worker must give the same), and only
 then reports `WorkerReady`. When the process exits, or a step takes longer than
 `step_timeout`, or the worker reports an error, the process is killed and the Scheduler is
-told `WorkerLost`; a new worker is started with exponential backoff. Each worker gets its
+told `WorkerLost`; a new worker is started with exponential backoff. A step that ran out of
+memory is not an error: the worker's `StepOutOfMemory` goes to the Scheduler, which plans
+that step again smaller, and the worker serves on. Each worker gets its
 own ipc:// endpoint, so no late reply from a dead worker can be taken for a live one's.
 
 A worker that fails `max_failed_starts` starts in a row puts the executor in the `failed`
@@ -36,7 +38,14 @@ import zmq
 from sluice.actors import messages as am
 from sluice.actors.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.executor import worker
-from sluice.actors.executor.worker import RESULT, PlanFrame, ResultFrame
+from sluice.actors.executor.memory import DEFAULT_KV_MEMORY_FRACTION
+from sluice.actors.executor.worker import (
+    RESULT,
+    InjectOutOfMemory,
+    PlanFrame,
+    ResultFrame,
+    StepOutOfMemory,
+)
 from sluice.actors.reports import WorkerFacts, WorkerQuery, WorkerState
 from sluice.ipc.sockets import Socket
 
@@ -60,7 +69,17 @@ class WorkerSpec:
     dtype: str = "auto"  # weights: auto | float32 | bfloat16 | float16 (see executor/dtypes.py)
     kv_dtype: str = "auto"  # the KV pool; auto follows the weights
     device: str = "cpu"
-    num_blocks: int | None = None  # None sizes the pool from memory
+    num_blocks: int | None = None  # None sizes the pool from memory, as below
+    # the pool, when `num_blocks` is unset: this fraction of the memory left once the weights
+    # are loaded and the largest step (`profile_tokens`) ran once — on CUDA the device's
+    # free memory, on CPU what the process may still take (its cgroup's limit, MemAvailable)
+    kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION
+    # and at most this many bytes; None: no cap on CUDA, 1 GiB on CPU (see executor/memory.py:
+    # host memory is everyone's, and 90% of a workstation's would be absurd for a CPU model)
+    kv_max_bytes: int | None = None
+    # tokens of the largest step, profiled at start; None: the scheduler's token_budget
+    # (the daemon fills it in)
+    profile_tokens: int | None = None
     block_size: int = 16
     max_model_len: int | None = None
     threads: int | None = None  # torch threads in the worker; unset with `cpus`: one per CPU
@@ -84,6 +103,15 @@ class WorkerSpec:
     debug_hang_token: int | None = None
 
     def __post_init__(self) -> None:
+        fraction = self.kv_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
+                0.0 < fraction <= 1.0):
+            raise ValueError(f"worker.kv_memory_fraction: must be in (0, 1], got {fraction!r}")
+        for name in ("kv_max_bytes", "profile_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"worker.{name}: must be an integer >= 1, got {value!r}")
         if self.cpus is None:
             return
         cpus = self.cpus
@@ -113,6 +141,7 @@ class Executor(Actor):
         # kept across restarts of this actor, so a crash cannot reset the count
         self.failed_starts = 0
         self.failure = ""  # the last failed start's reason
+        self.out_of_memory_steps = 0  # steps the worker answered with StepOutOfMemory
         self._serial = itertools.count()
         self._runtime = Path(spec.runtime_dir or tempfile.mkdtemp(prefix="sluice-worker-"))
         self.askers = Outboxes()  # whoever asked for the worker's state (the daemon at boot)
@@ -125,7 +154,8 @@ class Executor(Actor):
 
     def handlers(self) -> dict[type, Handler]:
         return {PlanFrame: self.on_plan, am.AskWorker: self.on_ask_worker,
-                am.Recover: self.on_recover, am.Ask: self.on_ask}
+                am.Recover: self.on_recover, am.Ask: self.on_ask,
+                InjectOutOfMemory: self.on_inject_out_of_memory}
 
     async def on_ask(self, msg: am.Ask) -> None:
         if isinstance(msg.query, WorkerQuery):
@@ -161,6 +191,16 @@ class Executor(Actor):
             await self.sock.send(plan.frame)
         except (trio.ClosedResourceError, zmq.ZMQError):
             pass  # the worker is going away; the monitor reports it
+
+    async def on_inject_out_of_memory(self, msg: InjectOutOfMemory) -> None:
+        """A test fault: pass it on; a worker that is not serving has no next step to fail."""
+        if self.sock is None or self.state != "ready":
+            log.warning("out-of-memory fault dropped: no serving worker", state=self.state)
+            return
+        try:
+            await self.sock.send(worker.encode(msg))
+        except (trio.ClosedResourceError, zmq.ZMQError):
+            pass
 
     def kill_worker(self) -> None:
         """Kill the current worker process (fault tests and hung steps use this)."""
@@ -239,6 +279,11 @@ class Executor(Actor):
             cmd += ["--model", str(spec.model)]
         if spec.num_blocks is not None:
             cmd += ["--num-blocks", str(spec.num_blocks)]
+        cmd += ["--kv-memory-fraction", repr(float(spec.kv_memory_fraction))]
+        if spec.kv_max_bytes is not None:
+            cmd += ["--kv-max-bytes", str(spec.kv_max_bytes)]
+        if spec.profile_tokens is not None:
+            cmd += ["--profile-tokens", str(spec.profile_tokens)]
         if spec.max_model_len is not None:
             cmd += ["--max-model-len", str(spec.max_model_len)]
         if spec.threads is not None:
@@ -298,10 +343,18 @@ class Executor(Actor):
             if frames[0] == RESULT and len(frames) == 2:
                 self.step_started = None
                 self.scheduler.put(ResultFrame(frames[1]))
-            else:
-                log.error("worker reported a failure", message=_said(worker.decode(frames[0])))
-                self.kill_worker()
-                return
+                continue
+            answer = worker.decode(frames[0])
+            if isinstance(answer, StepOutOfMemory):
+                self.step_started = None
+                self.out_of_memory_steps += 1
+                log.warning("worker step out of memory", step_id=answer.step_id,
+                            total=self.out_of_memory_steps)
+                self.scheduler.put(answer)
+                continue
+            log.error("worker reported a failure", message=_said(answer))
+            self.kill_worker()
+            return
 
     async def _watch_steps(self) -> None:
         while True:

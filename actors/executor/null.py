@@ -5,7 +5,8 @@ end by length. It exists to measure what the daemon itself costs per token (sock
 scheduling, detokenizing, streaming); its output means nothing. It stands in for the worker
 process and speaks its protocol: it decodes each plan and encodes each result as the worker
 does, so the Scheduler's side of a step is the same with either executor. Asked for the
-worker's state (`WorkerQuery`) it answers with the facts it was configured with.
+worker's state (`WorkerQuery`) it answers with the facts it was configured with. The test
+fault `InjectOutOfMemory` makes it answer the next plan as a worker out of memory would.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from collections.abc import Sequence
 
 from sluice.actors import messages as am
 from sluice.actors.base import Actor, Handler, Outbox, Outboxes
-from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
+from sluice.actors.executor.worker import (
+    InjectOutOfMemory,
+    PlanFrame,
+    ResultFrame,
+    StepOutOfMemory,
+    decode_plan,
+    encode_result,
+)
 from sluice.actors.reports import WorkerFacts, WorkerQuery, WorkerState
 from sluice.actors.scheduler.plan import SampledToken, StepResult
 
@@ -33,6 +41,7 @@ class NullExecutor(Actor):
         self.token_cycle = tuple(token_cycle)
         self.restarts = -1
         self.state = "null"
+        self.out_of_memory_next = False
 
     def reset(self) -> None:
         self.restarts += 1
@@ -40,7 +49,8 @@ class NullExecutor(Actor):
 
     def handlers(self) -> dict[type, Handler]:
         return {PlanFrame: self.on_plan, am.AskWorker: self.on_ask_worker,
-                am.Recover: self.on_recover, am.Ask: self.on_ask}
+                am.Recover: self.on_recover, am.Ask: self.on_ask,
+                InjectOutOfMemory: self.on_inject_out_of_memory}
 
     async def on_ask(self, msg: am.Ask) -> None:
         if isinstance(msg.query, WorkerQuery):
@@ -58,8 +68,15 @@ class NullExecutor(Actor):
         self.restarts += 1
         self.scheduler.put(am.WorkerReady(self.restarts))
 
+    async def on_inject_out_of_memory(self, msg: InjectOutOfMemory) -> None:
+        self.out_of_memory_next = True
+
     async def on_plan(self, frame: PlanFrame) -> None:
         plan = decode_plan(frame.frame)
+        if self.out_of_memory_next:
+            self.out_of_memory_next = False
+            self.scheduler.put(StepOutOfMemory(plan.step_id, "test fault: out of memory"))
+            return
         cycle = self.token_cycle
         sampled = {
             seq.request_id: _certain(cycle[seq.num_generated % len(cycle)], seq.sampling.logprobs)

@@ -1,6 +1,12 @@
 """Executes a `StepPlan`: flattens it into model inputs, runs the forward over the paged KV
 pool it owns, and samples. Synchronous and socket-free: the worker process and the
 in-process engine both drive it.
+
+Unless told its number of blocks, it sizes the pool by profiling: the largest step the
+scheduler may plan (`profile_tokens`, as one prefill chunk and as that many decodes) runs
+once on a scratch pool, and the pool gets `kv_memory_fraction` of the memory that leaves
+(`memory.py`). An out-of-memory error in a step leaves the pool usable: `free_cached_memory`
+hands back what the failed step held, and the step can be planned again smaller.
 """
 
 from __future__ import annotations
@@ -12,14 +18,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sluice.actors.executor import memory
 from sluice.actors.executor.dtypes import parse_dtype, resolve_dtypes
 from sluice.actors.executor.loader import load_weights, resolve_model_path
+from sluice.actors.executor.memory import DEFAULT_KV_MEMORY_FRACTION, KVSizing
 from sluice.actors.executor.model import AttentionInputs, LlamaModel, ModelConfig
 from sluice.actors.executor.sampler import sample
-from sluice.actors.scheduler.plan import StepPlan, StepResult
+from sluice.actors.scheduler.plan import SamplingParams, ScheduledSeq, StepPlan, StepResult
 
-DEFAULT_CPU_KV_BYTES = 1 << 30
-CUDA_MEMORY_FRACTION = 0.85  # of the free memory after weights, leaving room for activations
+DEFAULT_CPU_KV_BYTES = memory.DEFAULT_CPU_KV_MAX_BYTES
+DEFAULT_PROFILE_TOKENS = 512  # the scheduler's default token budget
 
 
 class ModelRunner:
@@ -27,6 +35,8 @@ class ModelRunner:
                  kv_dtype: str | None = None, device: str = "cpu",
                  num_blocks: int | None = None, block_size: int = 16,
                  max_model_len: int | None = None, kv_cache_bytes: int | None = None,
+                 kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION,
+                 kv_max_bytes: int | None = None, profile_tokens: int = DEFAULT_PROFILE_TOKENS,
                  model: LlamaModel | None = None):
         if model is None:
             self.model_path = resolve_model_path(model_path)
@@ -43,7 +53,20 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
-        self.num_blocks = num_blocks or self._blocks_for_memory(kv_cache_bytes)
+        self._out_of_memory_next = False  # a test fault, see `inject_out_of_memory`
+        self.kv_sizing: KVSizing | None = None  # how the pool was sized, when it was profiled
+        if num_blocks:
+            self.num_blocks = num_blocks
+        elif kv_cache_bytes is not None:
+            self.num_blocks = max(2, kv_cache_bytes // self.bytes_per_block)
+        else:
+            if kv_max_bytes is None and self.device.type != "cuda":
+                kv_max_bytes = memory.DEFAULT_CPU_KV_MAX_BYTES
+            available, peak = self._profile(profile_tokens)
+            self.kv_sizing = memory.size_kv_pool(available, peak, self.bytes_per_block,
+                                                 fraction=kv_memory_fraction,
+                                                 max_bytes=kv_max_bytes)
+            self.num_blocks = self.kv_sizing.num_blocks
         self.kv_pool = model.new_kv_pool(self.num_blocks, block_size)
 
     @classmethod
@@ -53,17 +76,63 @@ class ModelRunner:
         model = LlamaModel.random(config, device=device, dtype=parse_dtype(dtype), seed=seed)
         return cls(model=model, num_blocks=num_blocks, block_size=block_size)
 
-    def _blocks_for_memory(self, kv_cache_bytes: int | None) -> int:
+    @property
+    def bytes_per_block(self) -> int:
         cfg = self.config
-        bytes_per_block = (2 * cfg.num_layers * self.block_size * cfg.num_kv_heads
-                           * cfg.head_dim * self.model.kv_dtype.itemsize)
-        if kv_cache_bytes is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                kv_cache_bytes = int(free * CUDA_MEMORY_FRACTION)
+        return (2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim
+                * self.model.kv_dtype.itemsize)
+
+    def _profile(self, tokens: int) -> tuple[int, int]:
+        """(bytes available to the pool before, bytes the largest step takes at its peak).
+
+        The largest step is `tokens` tokens as one prefill chunk (its attention grows with
+        the chunk) and as many one-token decodes (each samples: a vocabulary row each); both
+        run on a scratch pool and the larger peak counts. On CUDA the allocator counts the
+        peak; on the host it is the growth of the peak RSS, so the forward's workspace is
+        charged whatever allocator holds it."""
+        tokens = max(1, tokens)
+        chunk = min(tokens, self.max_model_len)
+        blocks = -(-chunk // self.block_size) + 1
+        greedy = SamplingParams(temperature=0.0)
+        prefill = [ScheduledSeq(f"profile-{i}", [0] * min(chunk, tokens - start), 0,
+                                list(range(blocks - 1)), True, greedy)
+                   for i, start in enumerate(range(0, tokens, chunk))]
+        decodes = [ScheduledSeq(f"profile-{i}", [0], 0, [i % blocks], True, greedy)
+                   for i in range(tokens)]
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.empty_cache()
+            available, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            available = memory.read_host_available()
+        self.num_blocks, self.kv_pool = blocks, self.model.new_kv_pool(blocks, self.block_size)
+        peak = 0
+        for seqs in (prefill, decodes):
+            if cuda:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                before = torch.cuda.memory_allocated(self.device)
+                self.execute(StepPlan(0, seqs))
+                peak = max(peak, torch.cuda.max_memory_allocated(self.device) - before)
             else:
-                kv_cache_bytes = DEFAULT_CPU_KV_BYTES
-        return max(2, kv_cache_bytes // bytes_per_block)
+                # without a reset the peak is the load's, which only overstates the step
+                memory.reset_peak_rss()
+                before = memory.status_bytes(memory.read_status(), "VmRSS")
+                self.execute(StepPlan(0, seqs))
+                peak = max(peak, memory.status_bytes(memory.read_status(), "VmHWM") - before)
+        del self.kv_pool
+        self.free_cached_memory()
+        return available, peak
+
+    def free_cached_memory(self) -> None:
+        """Give back memory the allocator keeps for reuse (after a step ran out of it)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def inject_out_of_memory(self) -> None:
+        """A test fault: the next step's forward raises torch's out-of-memory error, after its
+        layers wrote their KV and before anything is sampled."""
+        self._out_of_memory_next = True
 
     def reset_kv(self) -> None:
         """A fresh pool: after a fault nothing in the old one can be trusted."""
@@ -88,6 +157,9 @@ class ModelRunner:
         """Run the step's forward (writing its KV); logits of the sequences that sample."""
         inputs, logits_rows = self._prepare(plan)
         hidden = self.model.forward(*inputs)
+        if self._out_of_memory_next:
+            self._out_of_memory_next = False
+            raise torch.OutOfMemoryError("test fault: out of memory in a step's forward")
         # the vocabulary projection only for rows that sample: prefill rows never need it
         return self.model.logits(hidden[logits_rows])
 

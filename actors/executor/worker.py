@@ -2,12 +2,15 @@
 
 Started by the Executor actor as `python -m sluice.actors.executor.worker --endpoint ...`.
 It connects, builds a `ModelRunner`, says `hello` with the facts the scheduler needs, then
-serves requests one at a time: a `StepPlan` (-> a `StepResult`) or a `HealthCheck` (a
-known-answer forward on a fresh pool). It dies with its parent, whatever it is doing then: a
-worker left behind by a killed daemon would hold its memory (and a GPU) for nobody.
+serves requests one at a time: a `StepPlan` (-> a `StepResult`, or `StepOutOfMemory` when
+its forward ran out of memory: the worker lives on and the step can be planned again
+smaller) or a `HealthCheck` (a known-answer forward on a fresh pool). It dies with its
+parent, whatever it is doing then: a worker left behind by a killed daemon would hold its
+memory (and a GPU) for nobody.
 
 The protocol on this socket lives here too, so both ends share it: typed messages (`Hello`,
-`HealthCheck`, `HealthAnswer`, `WorkerError`, and the core's `StepPlan` and `StepResult`)
+`HealthCheck`, `HealthAnswer`, `WorkerError`, `StepOutOfMemory`, the test fault
+`InjectOutOfMemory`, and the core's `StepPlan` and `StepResult`)
 packed by the daemon's one registry (`actors.registry.CODEC`). A plan is encoded once, by
 the Scheduler actor, and a result decoded once, by the Scheduler actor: the Executor relays
 both as bytes (`PlanFrame`, `ResultFrame`), which is why a result comes as two frames,
@@ -80,6 +83,21 @@ class WorkerError:
     message: str
 
 
+@dataclass(frozen=True)
+class StepOutOfMemory:
+    """Worker -> Executor -> Scheduler, instead of a step's result: its forward ran out of
+    memory. Nothing was sampled and nothing it computed counts; the worker serves on."""
+
+    step_id: int
+    message: str
+
+
+@dataclass(frozen=True)
+class InjectOutOfMemory:
+    """Daemon -> Executor -> worker, a test fault (`debug_faults`): the next step's forward
+    raises torch's out-of-memory error. Unanswered: it may arrive while a step runs."""
+
+
 @functools.cache
 def _codec() -> InternalCodec:
     from sluice.actors.registry import CODEC  # the registry lists this module's types
@@ -87,11 +105,15 @@ def _codec() -> InternalCodec:
     return CODEC
 
 
-def encode(msg: Hello | HealthCheck | HealthAnswer | WorkerError) -> bytes:
+WorkerMessage = (Hello | HealthCheck | HealthAnswer | WorkerError | StepOutOfMemory
+                 | InjectOutOfMemory)
+
+
+def encode(msg: WorkerMessage) -> bytes:
     return _codec().encode(msg)
 
 
-def decode(frame: bytes) -> Hello | HealthCheck | HealthAnswer | WorkerError | StepPlan:
+def decode(frame: bytes) -> WorkerMessage | StepPlan:
     return _codec().decode(frame)
 
 
@@ -134,6 +156,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kv-dtype", default="auto")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--kv-memory-fraction", type=float, default=None)
+    parser.add_argument("--kv-max-bytes", type=int, default=None)
+    parser.add_argument("--profile-tokens", type=int, default=None,
+                        help="tokens of the largest step, profiled to size the KV pool")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
@@ -194,11 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         print("sluice-worker: test fault: refusing to start", file=sys.stderr)
         return 3
     _log_to_stderr()
+    import structlog
     import torch
     import zmq
 
     from sluice.actors.executor.dtypes import dtype_name
     from sluice.actors.executor.runner import ModelRunner
+
+    log = structlog.get_logger("sluice.worker")
 
     if threads:
         torch.set_num_threads(threads)
@@ -206,9 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(args.endpoint)
+    sizing = {name: value for name, value in (
+        ("kv_memory_fraction", args.kv_memory_fraction), ("kv_max_bytes", args.kv_max_bytes),
+        ("profile_tokens", args.profile_tokens)) if value is not None}
     runner = ModelRunner(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device,
                          num_blocks=args.num_blocks, block_size=args.block_size,
-                         max_model_len=args.max_model_len)
+                         max_model_len=args.max_model_len, **sizing)
+    if (kv := runner.kv_sizing) is not None:
+        log.info("kv pool sized", available_bytes=kv.available_bytes,
+                 profile_peak_bytes=kv.profile_peak_bytes, kv_bytes=kv.kv_bytes,
+                 blocks=kv.num_blocks, device=args.device)
     sock.send(encode(Hello(os.getpid(), WorkerFacts(
         runner.num_blocks, runner.block_size, runner.max_model_len, runner.config.vocab_size,
         dtype_name(runner.model.dtype), dtype_name(runner.model.kv_dtype)))))
@@ -224,7 +260,18 @@ def main(argv: list[str] | None = None) -> int:
                 if hang is not None and any(hang in s.token_ids for s in plan.seqs):
                     while True:  # until the executor's step_timeout kills this process
                         time.sleep(60)
-                sock.send_multipart([RESULT, encode_result(runner.execute(plan))])
+                try:
+                    result = runner.execute(plan)
+                except torch.OutOfMemoryError as exc:
+                    reply = StepOutOfMemory(plan.step_id, str(exc)[:500])
+                else:
+                    sock.send_multipart([RESULT, encode_result(result)])
+                    continue
+                # past the `except`, whose traceback held the failed step's tensors
+                runner.free_cached_memory()
+                log.warning("step out of memory", step_id=plan.step_id, tokens=plan.num_tokens)
+            elif isinstance(msg, InjectOutOfMemory):
+                runner.inject_out_of_memory()
                 continue
             elif isinstance(msg, HealthCheck):
                 started = time.perf_counter()

@@ -126,6 +126,14 @@ class KVCacheManager:
         """Append `num_blocks` fresh blocks to the request's table."""
         request.block_ids.extend(self.allocate(num_blocks))
 
+    def trim_to_computed(self, request: Request) -> None:
+        """Give back the blocks past those the request's computed tokens fill (taken for a
+        step that did not run)."""
+        keep = self.blocks_for(request.num_computed_tokens)
+        if len(request.block_ids) > keep:
+            self.free(request.block_ids[keep:])
+            request.block_ids = request.block_ids[:keep]  # a new list, as in `release`
+
     def release(self, request: Request, *, free: bool = True) -> None:
         """Take the request's blocks and reservation back (`free=False`: the pool is gone)."""
         if free and request.block_ids:

@@ -28,10 +28,12 @@ class PlanBuilder:
         *,
         probe: frozenset[str] | None,
         preemptions: int,
+        token_budget: float | None = None,
     ):
         self.step_id = step_id
-        self.budget = float(config.token_budget)
-        self.token_budget = config.token_budget
+        # the configured budget, unless this step gets less (see `step_budget.py`)
+        self.token_budget = config.token_budget if token_budget is None else token_budget
+        self.budget = float(self.token_budget)
         self.prefill_weight = config.prefill_weight
         self.decode_weight = config.decode_weight
         self.first_token_from_prefill = config.first_token_from_prefill

@@ -186,8 +186,9 @@ class Scheduler:
         return self.table.get(request_id)
 
     # -- planning ---------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
-        """Plan one iteration: decode tokens and prefill chunks within the token budget."""
+    def schedule(self, token_budget: float | None = None) -> StepPlan:
+        """Plan one iteration: decode tokens and prefill chunks within the token budget
+        (the configured one unless given: a step that ran out of memory is planned smaller)."""
         now = self.clock()
         if self._last_schedule_time is not None:
             self._iteration_seconds = now - self._last_schedule_time
@@ -196,6 +197,7 @@ class Scheduler:
         plan = self._plan = PlanBuilder(
             self._step_id, self.config, self.clock,
             probe=self.bisection.probe_group(self.requests), preemptions=self.num_preemptions,
+            token_budget=token_budget,
         )
         self._plan_in_order(plan, now)
         if plan.probe is not None and not plan.seqs:
@@ -213,7 +215,7 @@ class Scheduler:
             self._schedule_prefills(plan, now)
         else:
             pending_decodes = len(self.running) - len(self.prefilling)
-            plan.hold_back(min(cfg.decode_share * cfg.token_budget,
+            plan.hold_back(min(cfg.decode_share * plan.token_budget,
                                cfg.decode_weight * pending_decodes))
             self._schedule_prefills(plan, now)
             plan.release()
@@ -402,6 +404,17 @@ class Scheduler:
                 output.logprobs = [token]
             outputs.append(output)
         self.bisection.step_done(plan, self.requests)
+        return outputs
+
+    def step_not_run(self, plan: StepPlan) -> list[RequestOutput]:
+        """`plan` did not run (out of memory): its requests give back the blocks it took and
+        are planned again from their computed tokens. Returns what ended while planning."""
+        for request in filter(None, map(self.requests.get, (s.request_id for s in plan.seqs))):
+            if request.scheduled_step == plan.step_id:
+                self.ledger.charge_kv(request, self.clock())
+                self.kv_cache.trim_to_computed(request)
+                request.scheduled_step = -1
+        outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
     # -- losing KV and ending -----------------------------------------------------------------
