@@ -1,13 +1,14 @@
 """The Control actor: the operator-facing ROUTER socket.
 
 Requests are decoded with the control codec and answered one at a time; status comes from
-the Scheduler as a `Snapshot`. Bad frames get `Rejected` naming the problem. Subscribers get
-a `ControlSnapshot` every 250 ms until their subscription lapses. Operator commands (drain,
-resume, reconcile, recover, cancel, tenant set) are answered with a `CommandReply`; what the
-scheduler owns is done by the scheduler (`Operate`), the `vanish_stream` fault by the
-gateway (`Operate`), the worker's restart and the `worker_down` fault by hooks the daemon
-provides (they start and stop a supervised actor). Fault injection exists only when the
-daemon was configured for it.
+the Scheduler as a `Snapshot`, completed with the gateway's counters and what the daemon
+runs (`DaemonFacts`, given at construction). Bad frames get `Rejected` naming the problem.
+Subscribers get a `ControlSnapshot` every 250 ms until their subscription lapses. Operator
+commands (drain, resume, reconcile, recover, cancel, tenant set) are answered with a
+`CommandReply`; what the scheduler owns is done by the scheduler (`Operate`), the
+`vanish_stream` fault by the gateway (`Operate`), the worker's restart and the `worker_down`
+fault by hooks the daemon provides (they start and stop a supervised actor). Fault injection
+exists only when the daemon was configured for it.
 
 `Questions` is how anything outside the actors (the Control actor, the daemon's boot and
 drain, `/health`, the metrics and `STATUS=`) learns an actor's state: ask by message, wait
@@ -102,9 +103,11 @@ class Questions:
 class Control(Actor):
     name = "control"
 
-    def __init__(self, address: str, *, scheduler: Outbox, hooks: ControlHooks | None = None):
+    def __init__(self, address: str, *, scheduler: Outbox, hooks: ControlHooks | None = None,
+                 facts: m.DaemonFacts = m.DaemonFacts()):
         super().__init__()
         self.hooks = hooks or ControlHooks()
+        self.facts = facts  # what the daemon runs: part of every status it answers
         self.subscribers: dict[bytes, float] = {}  # identity -> subscription end (trio clock)
         self.seq = 0
         self.drain_epoch = 0  # bumped by resume, so an old drain deadline does nothing
@@ -165,7 +168,11 @@ class Control(Actor):
     async def status(self, query: m.StatusQuery) -> m.StatusReport:
         snapshot = await self._ask(self.scheduler,
                                    lambda address, token: am.Ask(query, address, token))
-        report = snapshot.report
+        return await self._completed(snapshot.report)
+
+    async def _completed(self, report: m.StatusReport) -> m.StatusReport:
+        """The scheduler's report with what others know: the edge's and the daemon's facts."""
+        report = replace(report, daemon=self.facts)
         edge = await self.gateway_state()
         if edge is not None:
             report = replace(report, connections=len(edge.ids), gateway=edge.stats)
@@ -198,11 +205,7 @@ class Control(Actor):
         snap = await self._ask(self.scheduler,
                                lambda address, token: am.Ask(m.Subscribe(), address, token))
         self.seq += 1
-        status = snap.status
-        edge = await self.gateway_state()
-        if edge is not None:
-            status = replace(status, connections=len(edge.ids), gateway=edge.stats)
-        return replace(snap, seq=self.seq, status=status)
+        return replace(snap, seq=self.seq, status=await self._completed(snap.status))
 
     async def _publish(self) -> None:
         while True:

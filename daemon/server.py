@@ -45,6 +45,7 @@ from sluice.actors.supervisor import Supervisor
 from sluice.actors.text import load_tokenizer
 from sluice.actors.tokenizer import Tokenizer
 from sluice.actors.usage import UsageLog
+from sluice.daemon import version
 from sluice.daemon.config import DaemonConfig, runtime_dir
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
@@ -180,7 +181,8 @@ class Daemon:
                                       inbox=http_inbox)
                 fronts.append(self.http)
             self.control = Control(cfg.control_address, scheduler=scheduler_inbox,
-                                   hooks=self._control_hooks(gateway_inbox))
+                                   hooks=self._control_hooks(gateway_inbox),
+                                   facts=self._facts(model_name, core_config))
             control_inbox = self._inboxes["control"] = self.control.inbox
             for actor in (self.usage, self.scheduler, self.tokenizer, *fronts, self.control):
                 await self.supervisor.start_child(actor)
@@ -195,6 +197,16 @@ class Daemon:
             task_status.started(self)
             await self.stopped.wait()
             nursery.cancel_scope.cancel()
+
+    def _facts(self, model_name: str, core_config: SchedulerConfig) -> m.DaemonFacts:
+        """What this daemon runs, for its status: fixed from its start."""
+        cfg = self.config
+        settings = {f.name: getattr(core_config, f.name)
+                    for f in dataclasses.fields(m.SchedulerSettings)}
+        return m.DaemonFacts(version=version(), model=model_name,
+                             model_path=str(self.model_path), executor=cfg.executor,
+                             device=cfg.worker.device if cfg.executor == "model" else "",
+                             scheduler=m.SchedulerSettings(**settings))
 
     async def _bound_address(self, actor: Inbox) -> str:
         endpoint = await self.questions.ask(actor, lambda address, token: am.Ask(

@@ -258,6 +258,42 @@ class GatewayStats:
     refused_connections: int = 0  # new connections refused over the connection cap
 
 
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The `[scheduler]` settings the daemon runs with, as it resolved them: those that decide
+    what a load measures, so that two benchmark runs compare only when they agree."""
+
+    policy: str = ""  # fcfs | priority | srpt | fair
+    order: str = ""  # decode_first | prefill_first
+    admission: str = ""  # optimistic | reserve
+    token_budget: float = 0.0  # weighted prompt and output tokens of one step
+    prefill_weight: float = 0.0
+    decode_weight: float = 0.0
+    decode_share: float = 0.0
+    max_prefill_chunk: int = 0  # prompt tokens of one request per step
+    max_prefilling: int = 0  # requests prefilling in one step
+    max_running: int = 0  # requests holding KV and being stepped
+    max_queued: int = 0
+    max_wait: float | None = None  # seconds before a waiting request goes first; None: never
+    block_size: int = 0  # tokens per KV block
+    kv_high_watermark: float = 0.0
+    kv_low_watermark: float = 0.0
+    enable_prefix_caching: bool = False
+
+
+@dataclass(frozen=True)
+class DaemonFacts:
+    """What the daemon runs, fixed from its start; empty from a daemon that does not say.
+    The weights' dtype is the worker's, in `WorkerStatus`, as it changes with the worker."""
+
+    version: str = ""  # of the sluice package the daemon runs
+    model: str = ""  # its name, as `ServerInfo` gives it
+    model_path: str = ""  # the model file (under the null executor, the tokenizer's)
+    executor: str = ""  # model | null
+    device: str = ""  # the worker's torch device; "" for the null executor
+    scheduler: SchedulerSettings = SchedulerSettings()
+
+
 # -- the console's detail, nested in a ControlSnapshot ----------------------------------------
 
 
@@ -398,6 +434,7 @@ class StatusReport:
     connections: int = 0
     invariant_errors: tuple[str, ...] = ()  # empty when consistent (or not checked)
     gateway: GatewayStats = GatewayStats()  # the client edge's counters, from the gateway
+    daemon: DaemonFacts = DaemonFacts()  # what it runs, from the control actor
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,10 @@ Arrivals are Poisson at `--rate` requests/s, or a fixed number of requests in fl
 come from `--workload` (JSON lines: prompt or prompt_ids, max_tokens, optional tenant) or
 repeat `--prompt`; `--tenants a:2,b:1` spreads them over tenants by weight. Reported: TTFT,
 TPOT, ITL and E2E percentiles, output tokens/s, goodput under the SLOs, rejections, and per
-tenant the tokens served and the Jain index of weight-normalised service.
+tenant the tokens served and the Jain index of weight-normalised service. The report's `run`
+records what the load ran against (`bench_record`): the arrival process, the prompt and
+output lengths the daemon counted, and with `--connect-control` the daemon's model, dtype,
+device, version, scheduler settings and KV peak.
 
 `--http URL` drives the daemon's OpenAI-compatible front instead (`http_load`), with the same
 workloads and report; a tenant is then chosen by its API key (`--api-key TENANT=KEY`).
@@ -21,6 +24,10 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sluice.daemon.commands.bench_record import DaemonWatch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", action="append", default=[], metavar="TENANT=KEY",
                         help="with --http: the API key of a tenant (repeatable)")
     parser.add_argument("--connect-control", metavar="ADDR", default=None,
-                        help="also read preemptions from the daemon's control socket")
+                        help="also record the daemon's model, settings, KV peak and "
+                             "preemptions from its control socket")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, help="Poisson arrivals, requests per second")
     load.add_argument("--concurrency", type=int, help="requests kept in flight (default 16)")
@@ -61,6 +69,9 @@ class Sample:
     itl: list[float] = field(default_factory=list)
     rejected: str | None = None  # the refusal code
     finish_reason: str | None = None
+    # as the daemon counted them in the request's usage; None until it said
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -138,7 +149,10 @@ async def _one(client, item: dict, tenant: str, args, samples: list[Sample]) -> 
         last = now
         sample.tokens += len(chunk.token_ids)
     sample.e2e = time.perf_counter() - sample.start
-    sample.finish_reason = generation.result.finish_reason
+    result = generation.result
+    sample.finish_reason = result.finish_reason
+    sample.prompt_tokens = result.usage.prompt_tokens
+    sample.completion_tokens = result.usage.completion_tokens
 
 
 def parse_api_keys(pairs: list[str]) -> dict[str, str]:
@@ -159,11 +173,21 @@ async def _one_http(front, item: dict, tenant: str, args, samples: list[Sample])
                          temperature=args.temperature, ignore_eos=args.ignore_eos)
 
 
-async def run_load(args: argparse.Namespace) -> tuple[list[Sample], float, int | None]:
+@dataclass
+class Load:
+    """What one load produced."""
+
+    samples: list[Sample]
+    seconds: float
+    requests: int | None  # asked for (--requests, or the default); None: until --duration
+    watch: DaemonWatch | None  # the daemon's status over the load; None without --connect-control
+
+
+async def run_load(args: argparse.Namespace) -> Load:
     import trio
 
+    from sluice.daemon.commands.bench_record import DaemonWatch
     from sluice.ipc.client import AsyncClient
-    from sluice.ipc.control import fetch_status
 
     workload = load_workload(args)
     weights = parse_tenants(args.tenants)
@@ -171,9 +195,9 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Sample], float, int |
     rng = random.Random(args.seed)
     total = args.requests if args.requests is not None else (None if args.duration else 100)
     samples: list[Sample] = []
-    preempt_before = None
-    if args.connect_control:
-        preempt_before = (await fetch_status(args.connect_control)).counters.preemptions
+    watch = DaemonWatch(args.connect_control) if args.connect_control else None
+    if watch is not None:
+        await watch.sample()
     started = time.perf_counter()
     deadline = started + args.duration if args.duration else float("inf")
     async with contextlib.AsyncExitStack() as stack:
@@ -191,34 +215,45 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Sample], float, int |
                 for _ in range(max(1, args.connections))
             ]
             one = _one
-        async with trio.open_nursery() as nursery:
-            limiter = trio.Semaphore(args.concurrency or 16) if not args.rate else None
-            for n in itertools.count():
-                if (total is not None and n >= total) or time.perf_counter() >= deadline:
-                    break
-                if args.rate:
-                    await trio.sleep(rng.expovariate(args.rate))
-                else:
-                    await limiter.acquire()
-                item = workload[n % len(workload)]
-                tenant = rng.choices(names, weights=[weights[t] for t in names])[0]
+        async with trio.open_nursery() as watching:
+            if watch is not None:
+                watching.start_soon(watch.run)
+            async with trio.open_nursery() as nursery:
+                limiter = trio.Semaphore(args.concurrency or 16) if not args.rate else None
+                for n in itertools.count():
+                    if (total is not None and n >= total) or time.perf_counter() >= deadline:
+                        break
+                    if args.rate:
+                        await trio.sleep(rng.expovariate(args.rate))
+                    else:
+                        await limiter.acquire()
+                    item = workload[n % len(workload)]
+                    tenant = rng.choices(names, weights=[weights[t] for t in names])[0]
 
-                async def task(client=clients[n % len(clients)], item=item, tenant=tenant):
-                    try:
-                        await one(client, item, tenant, args, samples)
-                    finally:
-                        if limiter is not None:
-                            limiter.release()
+                    async def task(client=clients[n % len(clients)], item=item, tenant=tenant):
+                        try:
+                            await one(client, item, tenant, args, samples)
+                        finally:
+                            if limiter is not None:
+                                limiter.release()
 
-                nursery.start_soon(task)
+                    nursery.start_soon(task)
+            watching.cancel_scope.cancel()
     seconds = time.perf_counter() - started
-    preemptions = None
-    if args.connect_control:
-        preemptions = (await fetch_status(args.connect_control)).counters.preemptions - preempt_before
-    return samples, seconds, preemptions
+    if watch is not None:
+        await watch.sample()  # the KV left in use, and the preemptions over the load
+    return Load(samples, seconds, total, watch)
 
 
-def summarize(args, samples: list[Sample], seconds: float, preemptions: int | None) -> dict:
+async def bench(args: argparse.Namespace) -> dict:
+    """Run the load `args` describe against the daemon; the report `--json` prints."""
+    return summarize(args, await run_load(args))
+
+
+def summarize(args, load: Load) -> dict:
+    from sluice.daemon.commands.bench_record import run_record
+
+    samples, seconds = load.samples, load.seconds
     done = [s for s in samples if s.rejected is None]
     output_tokens = sum(s.tokens for s in done)
     weights = parse_tenants(args.tenants)
@@ -235,7 +270,12 @@ def summarize(args, samples: list[Sample], seconds: float, preemptions: int | No
     for s in samples:
         if s.rejected:
             rejected_by_code[s.rejected] = rejected_by_code.get(s.rejected, 0) + 1
+    run = run_record(args, load.requests,
+                     [s.prompt_tokens for s in done if s.prompt_tokens is not None],
+                     [s.completion_tokens for s in done if s.completion_tokens is not None],
+                     load.watch)
     return {
+        "run": run,
         "completed": len(done),
         "rejected": len(samples) - len(done),
         "rejected_by_code": rejected_by_code,
@@ -248,7 +288,7 @@ def summarize(args, samples: list[Sample], seconds: float, preemptions: int | No
         "tpot": percentiles([s.tpot for s in done if s.tpot is not None]),
         "itl": percentiles([gap for s in done for gap in s.itl]),
         "e2e": percentiles([s.e2e for s in done]),
-        "preemptions": preemptions,
+        "preemptions": None if load.watch is None else load.watch.preemptions,
         "finish_reasons": {r: sum(s.finish_reason == r for s in done)
                            for r in sorted({s.finish_reason for s in done})},
         "tenants": per_tenant,
@@ -266,15 +306,19 @@ def run(args: argparse.Namespace) -> int:
     from sluice.daemon.commands.http_load import HttpLoadError
     from sluice.ipc.errors import SluiceError
 
+    from sluice.daemon.commands.bench_record import header
+
     try:
-        samples, seconds, preemptions = trio.run(run_load, args)
+        report = trio.run(bench, args)
     except (SluiceError, ValueError, OSError, HttpLoadError) as exc:
         print(f"sluice bench: {exc}", file=sys.stderr)
         return 2
-    report = summarize(args, samples, seconds, preemptions)
     if args.json:
         print(json.dumps(report))
         return 0
+    seconds = report["seconds"]
+    for line in header(report["run"]):
+        print(line)
     print(f"completed {report['completed']}  rejected {report['rejected']}  "
           f"in {seconds:.2f}s  output {report['output_tokens']} tokens "
           f"({report['output_tokens_per_s']:.0f} tok/s)  goodput "

@@ -4,7 +4,8 @@ A small client of the daemon's OpenAI-compatible front, enough to drive it with 
 workloads as the ZeroMQ client and time each server-sent event: keep-alive connections in a
 pool, one request at a time on each, `stream: true` with the usage asked for in the last
 event. Server-sent events do not say how many tokens each carries, so a request's
-inter-token gaps are its event gaps spread over the tokens its usage counts.
+inter-token gaps are its event gaps spread over the tokens its usage counts; that usage
+also gives the prompt and output lengths the report records.
 
 What does not belong here: the report (see `bench`), anything of the daemon.
 """
@@ -80,7 +81,9 @@ class HttpFront:
                 sample.finish_reason = event["error"].get("code") or "error"
                 return
             if event.get("usage"):
-                sample.tokens = event["usage"]["completion_tokens"]
+                usage = event["usage"]
+                sample.tokens = sample.completion_tokens = usage["completion_tokens"]
+                sample.prompt_tokens = usage["prompt_tokens"]
             for choice in event.get("choices", ()):
                 text = choice.get("text") if not chat else choice["delta"].get("content")
                 if text:
