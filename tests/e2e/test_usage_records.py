@@ -168,3 +168,33 @@ async def test_a_held_queue_shows_in_queue_not_in_prefill_or_delivery(null_daemo
     assert t["queue"] >= 0.5  # the wait is the queue's ...
     assert t["prefill"] < 0.25 and t["ttft"] - t["prefill_done"] < 0.25  # ... not the rest's
     assert t["ttft"] >= t["queue"]
+
+
+async def test_withheld_credits_show_in_delivery_not_in_queue_or_prefill(null_daemon) -> None:
+    handle = await null_daemon()
+    with trio.fail_after(30):
+        async with AsyncClient(handle.listen, credit_window=1) as client:
+            generation = await client.generate("read slowly", max_tokens=6)
+            await generation.__anext__()  # the first chunk used the one credit
+            await trio.sleep(0.5)  # no credit for the rest meanwhile: the stream holds it
+            result = await generation.collect()
+    t = result.timings
+    assert len(result.token_ids) == 6
+    assert t.finished - t.first_token >= 0.45  # the wait is delivery's ...
+    assert t.queue < 0.25 and t.prefill < 0.25 and t.ttft < 0.25  # ... not the rest's
+    assert t.tpot == pytest.approx((t.finished - t.first_token) / 5)
+
+
+async def test_a_long_prompt_shows_in_prefill(model_daemon) -> None:
+    with trio.fail_after(120):
+        async with AsyncClient(model_daemon.listen) as client:
+            short = await (await client.generate(prompt_ids=[1, 504, 3458], max_tokens=1,
+                                                  temperature=0)).collect()
+            ids = [1] + [504, 3458, 282, 2114, 314, 253] * 200  # 1201 tokens
+            long = await (await client.generate(prompt_ids=ids, max_tokens=1,
+                                                 temperature=0)).collect()
+    assert long.usage.prompt_tokens == 1201
+    # computing 400 times the prompt is what takes the time, not the queue or the delivery
+    assert long.timings.prefill > 5 * short.timings.prefill
+    assert long.timings.prefill > long.timings.queue
+    assert long.timings.prefill >= 0.5 * long.timings.ttft
