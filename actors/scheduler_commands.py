@@ -128,7 +128,8 @@ def status_report(core: Scheduler, *, worker: m.WorkerStatus, counters: Mapping[
         kv=m.KVStatus(kv.num_total_blocks, kv.num_free_blocks, kv.num_used_blocks,
                       kv.num_cached_blocks),
         requests=m.RequestCounts(waiting, len(core.running), len(core.paused)),
-        counters=m.Counters(preemptions=core.num_preemptions, **counters),
+        counters=m.Counters(preemptions=core.num_preemptions,
+                            priority_preemptions=core.num_priority_preemptions, **counters),
         invariant_errors=errors,
     )
 

@@ -170,6 +170,14 @@ class _SchedulerCollector:
         for state, value in detail.queues.items():
             queues.add_metric([state], value)
         yield queues
+        preempted = CounterMetricFamily(
+            "sluice_preemptions_by_cause", "Requests preempted (KV released), by cause: memory "
+            "pressure or a higher-priority arrival; rate() of it is the preemption rate",
+            labels=["cause"])
+        counters = report.counters
+        preempted.add_metric(["memory"], counters.preemptions - counters.priority_preemptions)
+        preempted.add_metric(["priority"], counters.priority_preemptions)
+        yield preempted
         yield CounterMetricFamily("sluice_preemptions", "Requests preempted (KV released)",
                                   value=report.counters.preemptions)
         outcomes = CounterMetricFamily("sluice_requests", "Requests by outcome",

@@ -246,7 +246,8 @@ class Counters:
     finished: int = 0
     cancelled: int = 0
     rejected: int = 0
-    preemptions: int = 0
+    preemptions: int = 0  # every cause
+    priority_preemptions: int = 0  # of those, for a higher-priority arrival
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,13 @@ class SchedulerConfig:
     kv_high_watermark: float = 0.95  # stop admitting when this fraction of KV is referenced
     kv_low_watermark: float = 0.85  # resume admitting below this fraction
     admission: str = "optimistic"  # or "reserve": admit only if prompt + max_tokens fits
+    # times a request may lose its KV to memory pressure; the next time it ends with
+    # preempted_abort instead of thrashing (None: no cap). Preemptions for a higher
+    # priority (`priority` policy) do not count.
+    max_preemptions: int | None = None
+    # count recomputed prompt tokens in the fair policy's service, so a tenant whose requests
+    # are preempted pays for the recompute (off: only fresh tokens count)
+    charge_recompute: bool = False
     enable_prefix_caching: bool = True
     max_queued: int = 4096  # waiting requests over all tenants; past it -> overloaded
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
@@ -154,6 +161,12 @@ class SchedulerConfig:
         for name, tenant in self.tenants.items():
             if not isinstance(tenant, TenantConfig):
                 raise ConfigError(f"tenants.{name}: must be a TenantConfig")
+        cap = self.max_preemptions
+        if cap is not None and (not _is_int(cap) or cap < 0):
+            raise ConfigError(f"max_preemptions: must be an integer >= 0, got {cap!r}")
+        if not isinstance(self.charge_recompute, bool):
+            raise ConfigError(f"charge_recompute: must be true or false, got "
+                              f"{self.charge_recompute!r}")
         cap = self.default_tenant_max_queued
         if cap is not None and (not _is_int(cap) or cap < 0):
             raise ConfigError(f"default_tenant_max_queued: must be an integer >= 0, got {cap!r}")

@@ -62,9 +62,13 @@ class SrptPolicy(Policy):
 
 
 class FairPolicy(Policy):
-    """Weighted fair sharing between tenants by virtual token counters; FCFS inside a tenant."""
+    """Weighted fair sharing between tenants by virtual token counters; inside a tenant,
+    higher `priority` first, then arrival."""
 
     name = "fair"
+
+    def key(self, request: Request) -> tuple:
+        return (-request.priority, request.arrival_time, request.request_id)
 
     def pick_tenant(self, tops: Sequence[tuple[TenantState, tuple]]) -> TenantState:
         return min(tops, key=lambda item: (item[0].virtual_time, item[1]))[0]

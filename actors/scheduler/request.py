@@ -58,7 +58,8 @@ class Request:
     # hash chain of this request's full blocks, computed as far as known
     block_hashes: list[bytes] = field(default_factory=list, init=False)
     num_cached_tokens: int = field(default=0, init=False)  # prompt tokens from the prefix cache
-    num_preemptions: int = field(default=0, init=False)
+    num_preemptions: int = field(default=0, init=False)  # every cause
+    num_priority_preemptions: int = field(default=0, init=False)  # for a higher priority
     num_recomputed_tokens: int = field(default=0, init=False)
     num_prefill_tokens: int = field(default=0, init=False)  # computed prompt-side tokens, once
     num_decode_tokens: int = field(default=0, init=False)

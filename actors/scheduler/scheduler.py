@@ -5,13 +5,18 @@ result) -> [RequestOutput]`. One rule covers every kind of work: each step a req
 computed tokens catch up with its known tokens (prompt + generated), so a prefill chunk, a
 prefix-cache hit, a recompute after preemption and a decode differ only in their numbers.
 
-The scheduler decides every transition: add, admit, grow, preempt, pause, resume, requeue,
-end. Its queues are kept by the request table (`request_table.py`), which moves a request
-between places; blocks and the prefix cache belong to the KV cache manager (`kv_cache.py`),
-tenant limits and accounting to the tenant ledger (`tenant_ledger.py`), the iteration being
-planned to a plan builder (`plan_builder.py`), who goes first to the policy and the wait
-queue, and after a lost worker the suspects to the bisection (`bisection.py`). Every end
-state releases every block the request holds in the same call: that rule is `_end`'s.
+The scheduler owns every transition: add, preempt, pause, resume, requeue, expire, end.
+What runs in a step is the planner's (`planner.py`: decodes, chunks, admissions and the KV
+they need, with the iteration's state in a plan builder, `plan_builder.py`), which asks the
+scheduler for the preemptions and ends it needs. Its queues are kept by the request table
+(`request_table.py`), which moves a request between places; blocks and the prefix cache
+belong to the KV cache manager (`kv_cache.py`), tenant limits and accounting to the tenant
+ledger (`tenant_ledger.py`) with its buckets, KV caps and deadlines (`tenant_limits.py`),
+who goes first to the policy and the wait queue, and after a lost worker the suspects to
+the bisection (`bisection.py`). A request preempted for memory `max_preemptions` times ends
+with preempted_abort the next time; a preemption for a higher priority does not count.
+Every end state releases every block the request holds in the same call: that rule is
+`_end`'s.
 """
 
 from __future__ import annotations
@@ -27,11 +32,11 @@ from sluice.actors.scheduler.errors import InvalidRequest, Overloaded, TooLong
 from sluice.actors.scheduler.invariants import check_invariants
 from sluice.actors.scheduler.kv_cache import KVCacheManager
 from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult
-from sluice.actors.scheduler.plan_builder import PlanBuilder
-from sluice.actors.scheduler.policy import make_policy, preemption_key
+from sluice.actors.scheduler.planner import Planner
+from sluice.actors.scheduler.policy import make_policy
 from sluice.actors.scheduler.request import FAILED_REASONS, Request, RequestState
 from sluice.actors.scheduler.request_table import RequestTable
-from sluice.actors.scheduler.tenant_ledger import TenantLedger, TenantState
+from sluice.actors.scheduler.tenant_ledger import TenantLedger
 from sluice.actors.scheduler.tenant_limits import Deadlines, KVCaps
 from sluice.ipc.vocabulary import FinishReason
 
@@ -64,17 +69,15 @@ class Scheduler:
         self.prefilling, self.paused = table.prefilling, table.paused
         self.kv_caps = KVCaps(table.requests, self.ledger.limits, self.kv_cache.blocks_for)
         self.recently_ended = table.recently_ended
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # every cause
+        self.num_priority_preemptions = 0  # of those, for a higher priority
         self.num_rejected = 0
-        self.last_step: dict[str, float] = {}  # composition of the latest plan, for snapshots
         self.bisection = PoisonBisection()  # who may have killed the worker, and who runs next
-        self._step_id = 0
         self._rng = random.Random(config.seed)
-        self._plan: PlanBuilder | None = None  # while schedule() runs
         # outputs of requests that ended while planning (a pool too small for one request)
         self._pending_outputs: list[RequestOutput] = []
-        self._last_schedule_time: float | None = None
-        self._iteration_seconds = 0.0  # between the last two schedule() calls, for aging
+        self.planner = Planner(self, table, self.kv_cache, self.ledger, self.policy,
+                               self.bisection, self.kv_caps, clock)
 
     @property
     def config(self) -> SchedulerConfig:
@@ -187,180 +190,9 @@ class Scheduler:
 
     # -- planning ---------------------------------------------------------------------------
     def schedule(self, token_budget: float | None = None) -> StepPlan:
-        """Plan one iteration: decode tokens and prefill chunks within the token budget
-        (the configured one unless given: a step that ran out of memory is planned smaller)."""
-        now = self.clock()
-        if self._last_schedule_time is not None:
-            self._iteration_seconds = now - self._last_schedule_time
-        self._last_schedule_time = now
-        self._step_id += 1
-        plan = self._plan = PlanBuilder(
-            self._step_id, self.config, self.clock,
-            probe=self.bisection.probe_group(self.requests), preemptions=self.num_preemptions,
-            token_budget=token_budget,
-        )
-        self._plan_in_order(plan, now)
-        if plan.probe is not None and not plan.seqs:
-            # the suspects cannot run now (no KV for them): let the others run and free some
-            plan.probe = None
-            self._plan_in_order(plan, now)
-        self._plan = None
-        self.last_step = plan.composition()
-        return plan.build()
-
-    def _plan_in_order(self, plan: PlanBuilder, now: float) -> None:
-        cfg = self.config
-        if cfg.order == "decode_first":
-            self._schedule_decodes(plan)
-            self._schedule_prefills(plan, now)
-        else:
-            pending_decodes = len(self.running) - len(self.prefilling)
-            plan.hold_back(min(cfg.decode_share * plan.token_budget,
-                               cfg.decode_weight * pending_decodes))
-            self._schedule_prefills(plan, now)
-            plan.release()
-            self._schedule_decodes(plan)
-
-    def _schedule_decodes(self, plan: PlanBuilder) -> None:
-        capacity = self.kv_cache.block_size
-        candidates = list(self.running.values())
-        decodes = len(candidates) - len(self.prefilling)
-        if candidates and plan.decode_weight * decodes > plan.budget:
-            # more decodes than budget: rotate who goes first so no stream stalls for good
-            k = plan.step_id % len(candidates)
-            candidates = candidates[k:] + candidates[:k]
-        for request in candidates:
-            if not plan.can_decode:
-                break
-            if request.state is not DECODING or not plan.may_plan(request, self.bisection.suspects):
-                continue
-            start = request.num_computed_tokens
-            if start >= len(request.all_token_ids):  # the toy mode's first decode
-                start -= 1
-            if start + 1 > len(request.block_ids) * capacity:
-                if not self._within_kv_cap(request) or not self._grow(request, 1,
-                                                                       may_preempt_self=True):
-                    continue
-            plan.add(request, start, 1, decode=True)
-
-    def _schedule_prefills(self, plan: PlanBuilder, now: float) -> None:
-        cfg = self.config
-        if not plan.can_prefill:
-            return
-        for request in self.policy.prefill_order(list(self.prefilling.values()),
-                                                 self.ledger.tenants):
-            if not plan.can_prefill:
-                return
-            if (request.state is PREFILLING and request.request_id not in plan
-                    and plan.may_plan(request, self.bisection.suspects)):
-                self._schedule_chunk(plan, request, may_preempt=True)
-        while (
-            len(self.prefilling) < cfg.max_prefilling
-            and len(self.running) < cfg.max_running
-            and plan.can_prefill
-            and len(self.waiting)
-            # a step that had to preempt has no KV to spare for newcomers
-            and self.num_preemptions == plan.preemptions_at_start
-            and self.kv_cache.may_admit(bool(self.running))
-        ):
-            if plan.probe is not None:
-                request = plan.first_queued_suspect(self.requests)
-            else:
-                request = self.waiting.select(now, self.ledger.tenants, self._may_start,
-                                              self._iteration_seconds)
-                if request is not None and not plan.may_plan(request, self.bisection.suspects):
-                    return  # a suspect is next in line: it waits for its probe
-            if request is None or not self._admit(plan, request):
-                return
-
-    def _admit(self, plan: PlanBuilder, request: Request) -> bool:
-        """Move the policy's pick from the queue into the running set with its first chunk."""
-        kv, reserve = self.kv_cache, self.config.admission == "reserve"
-        if reserve and not kv.can_reserve(request):
-            return False
-        hits = kv.acquire_prefix(request, self.ledger.tenants[request.tenant].config)
-        start = len(hits) * kv.block_size
-        if not kv.can_allocate(kv.blocks_for(start + 1) - len(hits)):
-            kv.free(hits)
-            return False
-        self.table.start_prefill(request)
-        self.ledger.admitted(request)
-        if reserve:
-            kv.reserve(request)
-        request.kv_since = self.clock()
-        request.block_ids = hits
-        request.num_computed_tokens = start
-        if request.max_computed_tokens == 0:
-            request.num_cached_tokens = start
-            self.ledger.charge_cached(request.tenant, start)
-        self._schedule_chunk(plan, request, may_preempt=False)
-        return True
-
-    def _schedule_chunk(self, plan: PlanBuilder, request: Request, *, may_preempt: bool) -> None:
-        kv = self.kv_cache
-        start = request.num_computed_tokens
-        n = min(len(request.all_token_ids) - start, self.config.max_prefill_chunk,
-                plan.prefill_room)
-        if n <= 0:
-            return
-        room = self.kv_caps.room(request.tenant)
-        if room is not None and kv.blocks_for(start + n) - len(request.block_ids) > room:
-            # its tenant's KV cap: only the chunk that fits, or wait for the tenant's own ends
-            n = (len(request.block_ids) + room) * kv.block_size - start
-            if n <= 0:
-                return
-        missing = kv.blocks_for(start + n) - len(request.block_ids)
-        if missing > 0 and not kv.can_allocate(missing):
-            if not (may_preempt and self._grow(request, missing, may_preempt_self=False)):
-                # take what the pool has left rather than stall the whole chunk
-                fits = (len(request.block_ids) + kv.num_available_blocks) * kv.block_size - start
-                n = min(n, fits)
-                if n <= 0:
-                    return
-                missing = kv.blocks_for(start + n) - len(request.block_ids)
-                if missing > 0:
-                    self._take_blocks(request, missing)
-        elif missing > 0:
-            self._take_blocks(request, missing)
-        plan.add(request, start, n, decode=False)
-
-    def _grow(self, request: Request, num_blocks: int, *, may_preempt_self: bool) -> bool:
-        """Give `request` more blocks, preempting lower-ranked requests while the pool is short.
-
-        When `request` itself ranks lowest, a decode is preempted (`may_preempt_self`) and a
-        prefill simply waits; a request alone in a pool too small for it ends with LENGTH.
-        """
-        while not self.kv_cache.can_allocate(num_blocks):
-            candidates = [r for r in (*self.running.values(), *self.paused.values())
-                          if r is not request and r.block_ids]
-            victim = max(candidates, key=preemption_key) if candidates else None
-            if victim is None or preemption_key(victim) < preemption_key(request):
-                if victim is None and may_preempt_self:
-                    self._pending_outputs.append(
-                        self._end(request, FinishReason.LENGTH, RequestState.FINISHED))
-                elif may_preempt_self:
-                    self._preempt(request)
-                return False
-            self._preempt(victim)
-        self._take_blocks(request, num_blocks)
-        return True
-
-    def _may_start(self, tenant: TenantState, request: Request) -> bool:
-        """The tenant's next in line may be admitted: its caps, its rates, its KV cap."""
-        return self.ledger.may_start(tenant, request) and self.kv_caps.fits_prompt(request)
-
-    def _within_kv_cap(self, request: Request) -> bool:
-        """Room for one more block under its tenant's KV cap, preempting the tenant's own
-        youngest for it; False when that was `request` itself."""
-        while (victim := self.kv_caps.make_way(request)) is not None:
-            self._preempt(victim)
-            if victim is request:
-                return False
-        return True
-
-    def _take_blocks(self, request: Request, num_blocks: int) -> None:
-        self.ledger.charge_kv(request, self.clock())
-        self.kv_cache.grow(request, num_blocks)
+        """Plan one iteration within the token budget (the configured one unless given: a
+        step that ran out of memory is planned smaller); see `planner.py`."""
+        return self.planner.schedule(token_budget)
 
     # -- results ----------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
@@ -423,17 +255,31 @@ class Scheduler:
         self.ledger.charge_kv(request, self.clock())
         self.kv_cache.release(request, free=free)
         request.num_computed_tokens = 0
-        if self._plan is not None:  # planned earlier in this very iteration: not any more
-            self._plan.undo(request)
+        if self.planner.plan is not None:  # planned earlier in this iteration: not any more
+            self.planner.plan.undo(request)
         request.scheduled_step = -1
 
-    def _preempt(self, request: Request) -> None:
-        """Release a running (or paused) request's KV; it recomputes when admitted again."""
+    def preempt(self, request: Request, *, for_priority: bool = False) -> None:
+        """Release a running (or paused) request's KV; it recomputes when admitted again. One
+        that memory pressure preempted `max_preemptions` times ends instead (it thrashes)."""
+        cap = self.config.max_preemptions
+        if not for_priority and cap is not None and \
+                request.num_preemptions - request.num_priority_preemptions >= cap:
+            self.end_while_planning(request, FinishReason.PREEMPTED_ABORT)
+            return
         self._drop_kv(request)
         request.num_preemptions += 1
+        request.num_priority_preemptions += for_priority
+        self.num_priority_preemptions += for_priority
         self.num_preemptions += 1
         self.ledger.charge_preemption(request.tenant)
         self.table.requeue(request)
+
+    def end_while_planning(self, request: Request, reason: FinishReason) -> None:
+        """End a request that planning cannot serve (alone too big for the pool, or
+        thrashing); its output goes out with the next update."""
+        state = RequestState.FINISHED if reason is FinishReason.LENGTH else RequestState.FAILED
+        self._pending_outputs.append(self._end(request, reason, state))
 
     def _end(self, request: Request, reason: FinishReason, state: RequestState,
              error: str = "") -> RequestOutput:
@@ -456,11 +302,12 @@ class Scheduler:
         """Queue lengths per state and tenant, KV numbers, preemptions and per-tenant service."""
         queues, per_tenant = self.table.counts()
         return {
-            "step": self._step_id,
+            "step": self.planner.step_id,
             "queues": queues,
             "kv": self.kv_cache.stats(),
-            "last_step": dict(self.last_step),
+            "last_step": dict(self.planner.last_step),
             "preemptions": self.num_preemptions,
+            "priority_preemptions": self.num_priority_preemptions,
             "rejected": self.num_rejected,
             "ended": {r.name.lower(): n for r, n in self.table.ended_by_reason.items()},
             "policy": self.config.policy,

@@ -259,7 +259,8 @@ class TenantLedger:
         usage = tenant.usage
         usage.recomputed_tokens += recomputed
         usage.prefill_tokens += fresh
-        charge = self.config.fair_prompt_cost * fresh
+        charged = fresh + recomputed if self.config.charge_recompute else fresh
+        charge = self.config.fair_prompt_cost * charged
         usage.service += charge
         tenant.virtual_time += charge / tenant.config.weight
 

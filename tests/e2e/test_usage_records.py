@@ -99,6 +99,8 @@ async def test_usage_file_sums_to_the_counters_and_the_clients(null_daemon, tmp_
         assert values[("sluice_tenant_usage_preemptions_total", (("tenant", tenant),))] == sum(
             r["preemptions"] for r in mine)
     assert values[("sluice_e2e_request_latency_seconds_count", (("tenant", "b"),))] == 4
+    assert values[("sluice_preemptions_by_cause_total", (("cause", "memory"),))] == 1
+    assert values[("sluice_preemptions_by_cause_total", (("cause", "priority"),))] == 0
     assert values[("sluice_time_to_first_token_seconds_count", (("tenant", "a"),))] == 5
 
     # every point in order, each span from its own points
