@@ -1,12 +1,14 @@
-"""Tenants: weight, share of the service so far, running, queued, tokens, preemptions."""
+"""Tenants: weight, share of the service so far, running, queued, tokens, preemptions, and
+the limits each has (with what its token buckets hold now)."""
 
 from __future__ import annotations
 
 from textual.widgets import DataTable
 
 from sluice.ipc import messages as m
+from sluice.tui.operator import limits_text
 
-COLUMNS = ("tenant", "weight", "share", "running", "queued", "tokens", "preemptions")
+COLUMNS = ("tenant", "weight", "share", "running", "queued", "tokens", "preemptions", "limits")
 
 
 class TenantsTable(DataTable):
@@ -27,4 +29,4 @@ class TenantsTable(DataTable):
             used = t.totals
             self.add_row(name, f"{t.weight:g}", f"{used.service / total:.0%}", str(t.running),
                          str(t.waiting), str(used.prefill_tokens + used.decode_tokens),
-                         str(used.preemptions), key=name)
+                         str(used.preemptions), limits_text(t), key=name)

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from sluice.tui.operator import add_common_arguments, control_address, run_command
+from sluice.tui.operator import add_common_arguments, control_address, limits_text, run_command
 
 _LIMITS = {"max_running": int, "max_queued": int, "max_context": int, "max_new_tokens": int,
            "input_tokens_per_minute": int, "output_tokens_per_minute": int,
@@ -66,23 +66,6 @@ def _list(args: argparse.Namespace) -> int:
         used = t.totals
         print(f"{name:<16}{t.weight:>8g}{used.service / total:>8.0%}{t.running:>9}"
               f"{t.waiting:>8}{used.prefill_tokens + used.decode_tokens:>10}"
-              f"{used.preemptions:>9}  {_limits_text(t)}")
+              f"{used.preemptions:>9}  {limits_text(t)}")
     return 0
 
-
-def _limits_text(tenant) -> str:
-    """The limits a tenant has, with what its token buckets hold now: `in/min=6000(4200)`."""
-    shown = []
-    for name, value in vars(tenant.limits).items():
-        if value is None:
-            continue
-        text = f"{_SHORT.get(name, name)}={value:g}"
-        available = {"input_tokens_per_minute": tenant.input_tokens_available,
-                     "output_tokens_per_minute": tenant.output_tokens_available}.get(name)
-        if available is not None:
-            text += f"({available:.0f})"
-        shown.append(text)
-    return " ".join(shown) or "-"
-
-
-_SHORT = {"input_tokens_per_minute": "in/min", "output_tokens_per_minute": "out/min"}

@@ -36,11 +36,14 @@ def fixed_snapshot() -> m.ControlSnapshot:
         tenants={
             "chat": m.TenantRow(
                 weight=4.0, running=3, waiting=1, queues={"decoding": 3, "waiting": 1},
+                limits=m.TenantLimits(max_priority=10, timeout=120.0),
                 totals=m.TenantTotals(service=3000.0, prefill_tokens=2400, decode_tokens=600,
                                       preemptions=2)),
             "batch": m.TenantRow(
                 weight=1.0, running=1, waiting=2,
                 queues={"prefilling": 1, "waiting": 2, "paused": 1},
+                limits=m.TenantLimits(max_queued=1024, output_tokens_per_minute=6000),
+                output_tokens_available=4200.0,
                 totals=m.TenantTotals(service=1000.0, prefill_tokens=900, decode_tokens=100,
                                       preemptions=5)),
         },
