@@ -169,7 +169,9 @@ class TenantLedger:
         limit = tenant.config.max_running
         if limit is not None and tenant.running >= limit:
             return False
-        return request.rate_charged or self.rates.affords(request, self.clock())
+        if request.rate_charged or request.tenant not in self.rates.buckets:
+            return True  # the common case: no clock read on the scheduler's iteration
+        return self.rates.affords(request, self.clock())
 
     def admitted(self, request: Request) -> None:
         """It left the queue for the running set: a first admission pays its tokens."""

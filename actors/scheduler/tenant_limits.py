@@ -108,7 +108,7 @@ class TenantRates:
         return None
 
     def affords(self, request: Request, now: float) -> bool:
-        return request.tenant not in self.buckets or self.wait(request, now) == 0.0
+        return self.wait(request, now) == 0.0
 
     def charge(self, request: Request) -> None:
         """Take the request's prompt and max_tokens (at its first admission)."""
