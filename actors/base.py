@@ -9,9 +9,11 @@ an inbox of the same process the sender hands the object itself over, and the fr
 only its number. Each of those is immutable (frozen, built of immutable values) or given
 away (the sender keeps no reference to it), so a relay forwards it, or the bytes inside it,
 untouched and no two actors ever hold the same mutable object; to any other address they
-are encoded like the rest. The inbox outlives a crash (senders keep their handle), the state
-does not: `run` starts from `reset()`, and the supervisor calls `on_crash` first so an actor
-that owned requests can release them. Supervision itself lives in `supervisor.py`.
+are encoded like the rest. A receiving actor sleeps on its inbox's bell, which the sender
+rings after its send, not on the socket's FD. The inbox outlives a crash (senders keep
+their handle), the state does not: `run` starts from `reset()`, and the supervisor calls
+`on_crash` first so an actor that owned requests can release them. Supervision itself
+lives in `supervisor.py`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import enum
 import errno
 import itertools
 import os
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,7 +35,7 @@ from sluice.actors import messages as am
 from sluice.actors.executor import worker
 from sluice.actors.registry import CODEC
 from sluice.ipc import messages as m
-from sluice.ipc.sockets import POLLIN, Socket, context
+from sluice.ipc.sockets import EVENTS, POLLIN, Socket, context
 
 log = structlog.get_logger("sluice.actors")
 
@@ -53,6 +56,10 @@ _CHECK_HANDED_OVER = os.environ.get("SLUICE_CHECK_HANDED_OVER") == "1"
 _HANDED = b"\xc1"  # first byte of a handed-over message's frame: never a msgpack message's
 _handed: dict[str, dict[int, Any]] = {}  # inbox address -> number -> message not yet taken
 _handed_numbers = itertools.count()
+# inbox address -> the event its receiving task sleeps on, and that task's trio run
+_bells: dict[str, tuple[trio.Event, trio.lowlevel.TrioToken]] = {}
+_sleepers_thread: int | None = None  # the thread whose tasks sleep on inboxes
+_foreign_puts = False  # some thread other than that one has put a message
 _addresses = itertools.count()
 _FAIR_SHARE = 16  # messages an actor takes in a row before it lets other tasks run
 # errors of an operation that needed a resource the process is out of (a socket's descriptor)
@@ -124,12 +131,36 @@ class Outbox:
                 pending.pop(number, None)
             return
         self.sent += 1
+        if threading.get_ident() != _sleepers_thread:
+            global _foreign_puts
+            _foreign_puts = True
+        if self.address in _bells:
+            _ring(self.address)
 
     def close(self) -> None:
         self._closed = True
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
+
+
+def _ring(address: str) -> None:
+    """Wake the task sleeping on the inbox at `address` (from any thread)."""
+    bell = _bells.pop(address, None)
+    if bell is None:
+        return
+    event, run = bell
+    try:
+        here = trio.lowlevel.current_trio_token()
+    except RuntimeError:  # not in a trio run
+        here = None
+    if here is run:
+        event.set()
+        return
+    try:
+        run.run_sync_soon(event.set)
+    except trio.RunFinishedError:
+        pass
 
 
 class Outboxes:
@@ -178,6 +209,7 @@ class Inbox(Outbox):
     def close(self) -> None:
         super().close()
         self._receiver.close()
+        _ring(self.address)  # a task sleeping on it finds it closed
         _handed.pop(self.address, None)  # with the frames that named them, never taken
         self._handed.clear()
 
@@ -196,13 +228,36 @@ class Inbox(Outbox):
             return self._handed.pop(int.from_bytes(frame[1:], "little"))
         return CODEC.decode(frame)
 
+    async def _sleep(self) -> None:
+        """Until a message may be there.
+
+        Every message comes through an `Outbox.put` of this process, which rings the
+        inbox's bell once it has sent: no wait on the socket's FD, whose `EVENTS` reads and
+        epoll registrations cost more than the rest of a hop. One task receives, so one
+        bell per inbox."""
+        global _sleepers_thread
+        if _sleepers_thread is None:
+            _sleepers_thread = threading.get_ident()
+        event = trio.Event()
+        _bells[self.address] = (event, trio.lowlevel.current_trio_token())
+        try:
+            if self._receiver.closed:
+                return
+            # a put from another thread may have come between the failed take and the bell
+            if _foreign_puts and self._receiver.zmq.get(EVENTS) & POLLIN:
+                return
+            await event.wait()
+        finally:
+            if _bells.get(self.address, (None,))[0] is event:
+                del _bells[self.address]
+
     async def get(self) -> Any:
         while True:
             try:
                 msg = self.get_nowait()
             except trio.WouldBlock:
                 self._in_a_row = 0
-                await self._receiver.wait_for(POLLIN)
+                await self._sleep()
                 continue
             self._in_a_row += 1
             if self._in_a_row >= _FAIR_SHARE:
