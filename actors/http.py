@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hmac
 import itertools
+import math
 import os
 import socket
 from collections.abc import Callable
@@ -93,16 +94,24 @@ class HttpSettings:
 
 
 class DeliverSink:
-    """An HTTP request's stream sink: the typed messages, to the request's inbox."""
+    """An HTTP request's stream sink: the typed messages, handed to the request's response.
 
-    def __init__(self, inbox: Outbox):
-        self.inbox = inbox
+    The stream's edge toward its client, like the socket a ZeroMQ connection's frames go
+    to, so no actor inbox: an in-process channel to the task writing the response. What
+    waits in it is bounded by the request's credits (only chunks need them, and one
+    request has one terminal message)."""
+
+    def __init__(self, channel: trio.MemorySendChannel):
+        self.channel = channel
 
     def send(self, connection: bytes, messages: list) -> None:
         # heartbeats are for ZeroMQ peers; an HTTP client's liveness is its TCP connection
         items = tuple(msg for msg in messages if not isinstance(msg, m.Heartbeat))
         if items:
-            self.inbox.put(am.Deliver(items))
+            try:
+                self.channel.send_nowait(am.Deliver(items))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the response is over: its client is gone, as a closed socket would be
 
 
 class KeyRing:
@@ -345,12 +354,12 @@ class HttpFront(Actor):
             raise api.ApiError(404, f"the model {request.model!r} does not exist; this server "
                                f"serves {self.model_name!r}", type="not_found_error",
                                param="model", code="model_not_found")
-        replies = stream = None
+        stream = None
         started = False
+        to_response, replies = trio.open_memory_channel(math.inf)
         try:
             try:
-                replies = Inbox(f"http-{connection.hex()}")
-                stream = self.make_stream(connection, DeliverSink(replies))
+                stream = self.make_stream(connection, DeliverSink(to_response))
             except zmq.ZMQError as exc:
                 if exc.errno not in RESOURCE_ERRNOS:
                     raise
@@ -381,8 +390,7 @@ class HttpFront(Actor):
                 self.streams[connection].inbox.put(am.ClientGone(connection))
             elif stream is not None and not started:
                 stream.close()
-            if replies is not None:
-                replies.close()
+            replies.close()
 
     async def _heartbeats(self, stream: Outbox) -> None:
         """Keep the stream's silence timeout from firing while the HTTP client is connected."""

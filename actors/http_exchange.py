@@ -20,7 +20,7 @@ import structlog
 import trio
 
 from sluice.actors import openai_api as api
-from sluice.actors.base import Inbox, Outbox
+from sluice.actors.base import Outbox
 from sluice.ipc import messages as m
 
 _JSON = (b"content-type", b"application/json")
@@ -30,7 +30,7 @@ class Exchange:
     """One request's answer: the stream's messages in, the HTTP response out."""
 
     def __init__(self, request: api.ApiRequest, request_id: str, stream: Outbox,
-                 replies: Inbox, send: Callable, retry_after: int):
+                 replies: trio.MemoryReceiveChannel, send: Callable, retry_after: int):
         self.request = request
         self.request_id = request_id
         self.stream = stream
@@ -44,28 +44,60 @@ class Exchange:
         self.logprobs: list[m.TokenLogprobs] = []  # the non-streamed answer's, when asked
         self.text_offset = 0  # where the next streamed token's text starts (completions)
         self.error = ""
+        # credits are given back in batches of half the window: the stream never runs dry
+        # while a batch fills, and it hears from this response half as often (or less)
+        self.credit_batch = max(1, request.generate.credits // 2)
+        self.credits_owed = 0
+        self.delta_event = api.DeltaEvents(request, request_id, self.created)
 
     async def run(self) -> None:
         while True:
-            deliver = await self.replies.get()
-            for item in deliver.messages:
-                if await self._take(item):
-                    return
+            items = list((await self.replies.receive()).messages)
+            while True:  # what else already waits is answered with it, in one write
+                try:
+                    items.extend(self.replies.receive_nowait().messages)
+                except trio.WouldBlock:
+                    break
+            if await self._take_all(items):
+                return
+
+    async def _take_all(self, items: list) -> bool:
+        """Handle the stream's messages in order; True once the request ended.
+
+        Streamed events are written together, and their chunks' credits are given back
+        together once hypercorn took the bytes (a full socket withholds them)."""
+        events: list[bytes] = []
+        credits = 0
+        request_id = ""
+        for item in items:
+            if isinstance(item, m.Chunk):
+                request_id = item.request_id
+                credits += 1
+                if self.request.stream:
+                    events.append(self._chunk_event(item))
+                else:
+                    self.text.append(item.text)
+                    self.logprobs.extend(item.logprobs or ())
+                continue
+            if events:
+                await self._body(b"".join(events))
+                events = []
+            if await self._take(item):
+                return True
+        if events:
+            await self._body(b"".join(events))
+        self.credits_owed += credits
+        if self.credits_owed >= self.credit_batch:
+            self.stream.put(m.Credit(request_id, self.credits_owed))
+            self.credits_owed = 0
+        return False
 
     async def _take(self, item: object) -> bool:
-        """Handle one message of the stream; True once the request ended."""
+        """Handle one message of the stream but a chunk; True once the request ended."""
         if isinstance(item, m.Accepted):
             self.prompt_tokens = item.prompt_tokens
             if self.request.stream:
                 await self._start()
-        elif isinstance(item, m.Chunk):
-            if self.request.stream:
-                await self._stream_chunk(item)
-            else:
-                self.text.append(item.text)
-                self.logprobs.extend(item.logprobs or ())
-            # granted once the bytes are with hypercorn: a full socket withholds it
-            self.stream.put(m.Credit(item.request_id, 1))
         elif isinstance(item, m.Error):
             self.error = item.message
         elif isinstance(item, m.Rejected):
@@ -75,16 +107,18 @@ class Exchange:
             return True
         return False
 
-    async def _stream_chunk(self, chunk: m.Chunk) -> None:
+    def _chunk_event(self, chunk: m.Chunk) -> bytes:
         """One event for the chunk; a chunk without text (a piece of a character) makes one
-        only to carry its tokens' logprobs."""
-        tokens = list(chunk.logprobs or ())
+        only to carry its tokens' logprobs, and one with neither, none."""
+        if chunk.logprobs is None:
+            return self.delta_event(chunk.text) if chunk.text else b""
+        tokens = list(chunk.logprobs)
         if not chunk.text and not tokens:
-            return
+            return b""
         logprobs = api.logprobs_body(self.request, tokens, self.text_offset)
         self.text_offset += sum(len(t.token) for t in tokens)
-        await self._body(api.stream_event(self.request, self.request_id, self.created,
-                                          chunk.text, None, logprobs=logprobs))
+        return api.stream_event(self.request, self.request_id, self.created, chunk.text, None,
+                                logprobs=logprobs)
 
     async def _start(self) -> None:
         self.started = True

@@ -401,6 +401,21 @@ def stream_event(request: ApiRequest, request_id: str, created: int, text: str |
     return sse(event)
 
 
+class DeltaEvents:
+    """`stream_event` of a text delta without logprobs, for one response, made by pasting
+    the text's JSON between bytes built once: the one event sent per token."""
+
+    _MARK = "\x00sluice-delta\x00"
+
+    def __init__(self, request: ApiRequest, request_id: str, created: int):
+        event = stream_event(request, request_id, created, self._MARK, None)
+        self.head, mark, self.tail = event.partition(json.dumps(self._MARK).encode())
+        assert mark, "the event's text went missing from its template"
+
+    def __call__(self, text: str) -> bytes:
+        return self.head + json.dumps(text).encode() + self.tail
+
+
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 

@@ -157,6 +157,21 @@ def test_logprobs_take_the_legacy_completion_columns() -> None:
     assert list(body["top_logprobs"][1].items()) == [(" the", -0.1), ("é", -0.25)]
 
 
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_a_delta_event_is_the_event_stream_event_builds(chat, include_usage) -> None:
+    body = {"model": "m\u0000\"x", "stream": True,
+            "stream_options": {"include_usage": include_usage}}
+    if chat:
+        request = api.chat_request({**body, "messages": [{"role": "user", "content": "x"}]},
+                                   **ARGS)
+    else:
+        request = api.completion_request({**body, "prompt": "x"}, **ARGS)
+    events = api.DeltaEvents(request, "7", 1700000000)
+    for text in [" Paris", 'a "quoted"\n\\ line', "é and 😀", "\u0000"]:
+        assert events(text) == api.stream_event(request, "7", 1700000000, text, None)
+
+
 def test_a_key_finds_its_tenant_and_nothing_else_does() -> None:
     ring = KeyRing({"a": ["alpha", "again"], "b": ["beta"]})
     assert [ring.tenant(k) for k in (b"alpha", b"again", b"beta")] == ["a", "a", "b"]
