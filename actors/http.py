@@ -2,13 +2,14 @@
 
 hypercorn's trio worker serves a small ASGI app in this actor's nursery; the HTTP parsing,
 keep-alive and header limits are hypercorn's. Each HTTP request is its own stream: a Stream
-actor (the one ZeroMQ connections get, supervised as transient) whose client messages go to
-the request's own inbox instead of a socket (`DeliverSink`). So credits, watermarks, the
-pause timeout, the one terminal message and the release of everything on a vanished client
-are the Stream's, unchanged: the request grants a credit for each chunk once its bytes were
-handed to hypercorn (whose `send` waits while the socket is full), so a client that stops
-reading is paused and then timed out like a slow ZeroMQ client, and one that disconnects
-sends its stream `ClientGone`, which cancels the request and frees its KV.
+actor (the one ZeroMQ connections get, supervised as transient) whose client messages are
+handed to the request's response over an in-process channel instead of a socket
+(`DeliverSink`). So credits, watermarks, the pause timeout, the one terminal message and the
+release of everything on a vanished client are the Stream's, unchanged: the response gives
+chunks' credits back once their bytes were handed to hypercorn (whose `send` waits while the
+socket is full), so a client that stops reading is paused and then timed out like a slow
+ZeroMQ client, and one that disconnects sends its stream `ClientGone`, which cancels the
+request and frees its KV.
 
 A request body is turned into the same `m.Generate` the gateway decodes
 (`actors.openai_api`), so validation, limits and rejections are the daemon's own; this

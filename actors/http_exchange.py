@@ -3,8 +3,8 @@ send.
 
 `Exchange` turns the typed messages a request's Stream hands over (`Accepted`, `Chunk`,
 `Error`, `Finished`, or a `Rejected`) into the HTTP response: a completion object, or
-server-sent events written as they come, each chunk's credit given back once hypercorn took
-its bytes. The rest are small helpers over ASGI's `send`.
+server-sent events written as they come (what waits together in one write), the chunks'
+credits given back in batches once hypercorn took their bytes. The rest are small helpers over ASGI's `send`.
 
 What does not belong here: routing, limits, keys and streams (`actors.http`), the OpenAI
 shapes themselves (`actors.openai_api`).
