@@ -229,9 +229,12 @@ class AsyncClient:
         """What any client may know: protocol version and model name."""
         send, recv = trio.open_memory_channel[m.ServerInfo](1)
         self._info_waiters.append(send)
-        await self._send(m.Describe())
-        with trio.fail_after(self.daemon_timeout):
+        with trio.move_on_after(self.daemon_timeout):
+            await self._send(m.Describe())
             return await recv.receive()
+        if send in self._info_waiters:
+            self._info_waiters.remove(send)
+        raise self._unanswered()
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -250,7 +253,17 @@ class AsyncClient:
     async def _send_frame(self, frame: bytes) -> None:
         if self._gone is not None:
             raise self._gone
-        await self._socket.send(frame)
+        # a DEALER waits for a connection to queue into: with a daemon that is not there, or
+        # CURVE handshakes that keep failing, that wait would never end
+        with trio.move_on_after(self.daemon_timeout):
+            await self._socket.send(frame)
+            return
+        raise self._unanswered()
+
+    def _unanswered(self) -> DaemonGone:
+        keys = ", and are the CURVE keys the daemon's" if self._curve is not None else ""
+        return DaemonGone(f"no answer from the daemon at {self.address} within "
+                          f"{self.daemon_timeout:g}s: is it running there{keys}?")
 
     async def _next_item(self, recv: Any) -> Any:
         for pending in self._pending.values():
@@ -298,10 +311,11 @@ class AsyncClient:
 
     async def _heartbeats(self) -> None:
         while True:
-            try:
-                await self._socket.send(self._codec.encode(m.Heartbeat()))
-            except zmq.ZMQError:
-                pass
+            with trio.move_on_after(self.heartbeat_interval):  # no connection: no heartbeat
+                try:
+                    await self._socket.send(self._codec.encode(m.Heartbeat()))
+                except zmq.ZMQError:
+                    pass
             await trio.sleep(self.heartbeat_interval)
             silent = trio.current_time() - self._last_heard
             if self._pending and silent > self.daemon_timeout:

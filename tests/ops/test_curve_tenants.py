@@ -14,6 +14,7 @@ from sluice.daemon.config import AuthSettings
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.codec import Codec
+from sluice.ipc.errors import DaemonGone
 from sluice.ipc.control import send_command
 from sluice.ipc.sockets import Socket
 
@@ -116,3 +117,11 @@ async def test_the_client_library_speaks_curve(null_daemon) -> None:
     assert result.finish_reason == "length" and len(result.token_ids) == 3
     snap = await send_command(handle.control, m.Subscribe(ttl=0.5))
     assert snap.detail.tenants["chat"].totals.finished == 1
+    # keys the daemon does not take get a clear error in daemon_timeout, not a wait for good
+    stranger = zmq.curve_keypair()
+    for server_key, keypair in ((server_public, stranger), (stranger[0], (public, secret))):
+        with trio.fail_after(10):
+            async with AsyncClient(handle.listen, curve_server_key=server_key,
+                                   curve_keypair=keypair, daemon_timeout=1.0) as client:
+                with pytest.raises(DaemonGone, match="are the CURVE keys the daemon's"):
+                    await client.generate("hello", max_tokens=3)
