@@ -378,7 +378,8 @@ class SchedulerActor(Actor):
             self.between_steps_do(lambda: self._answer_reconcile(msg))
             return
         elif isinstance(command, m.TenantSet):
-            reply = commands.set_tenant(self.core, command)
+            reply, outputs = commands.set_tenant(self.core, command)
+            self._emit(outputs)
             if reply.ok:  # new limits may let a waiting request in
                 self._maybe_step()
         elif isinstance(command, m.InjectFault) and command.kind == "leak_block":

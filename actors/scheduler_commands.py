@@ -42,8 +42,10 @@ def release_all(core: Scheduler) -> Outcome:
     return reply, outputs
 
 
-def set_tenant(core: Scheduler, command: m.TenantSet) -> m.CommandReply:
-    """Change the fields the command sets, on top of the tenant's current (or reset) config."""
+def set_tenant(core: Scheduler,
+               command: m.TenantSet) -> tuple[m.CommandReply, list[RequestOutput]]:
+    """Change the fields the command sets, on top of the tenant's current (or reset) config;
+    the outputs of the queued requests the new rates can never take, which end."""
     if command.reset:
         current = TenantConfig()
     elif command.name in core.ledger.tenants:
@@ -55,9 +57,9 @@ def set_tenant(core: Scheduler, command: m.TenantSet) -> m.CommandReply:
     try:
         tenant = dataclasses.replace(current, **changes)
     except ConfigError as exc:
-        return m.CommandReply("tenant", False, f"tenant {command.name}: {exc}")
-    core.configure_tenant(command.name, tenant)
-    return m.CommandReply("tenant", True, f"tenant {command.name}: {tenant}")
+        return m.CommandReply("tenant", False, f"tenant {command.name}: {exc}"), []
+    outputs = core.configure_tenant(command.name, tenant)
+    return m.CommandReply("tenant", True, f"tenant {command.name}: {tenant}"), outputs
 
 
 def leak_block(core: Scheduler) -> m.CommandReply:

@@ -177,9 +177,20 @@ class Scheduler:
         failed = self.bisection.step_lost(plan, self.requests, max_losses)
         return [self._end(self.requests[rid], FinishReason.ERROR, RequestState.FAILED) for rid in failed]
 
-    def configure_tenant(self, name: str, tenant: TenantConfig) -> None:
-        """Change a tenant's weight or limits at run time (operator command, config reload)."""
+    def configure_tenant(self, name: str, tenant: TenantConfig) -> list[RequestOutput]:
+        """Change a tenant's weight or limits at run time (operator command, config reload).
+
+        A queued request that the tenant's new token rates can never take (it alone needs
+        more than a bucket holds) ends with ERROR now instead of waiting for its deadline."""
         self.ledger.configure(name, tenant)
+        outputs = []
+        for request in [r for r in self.requests.values() if r.tenant == name]:
+            if request.rate_charged or (field := self.ledger.rates.exceeds(request)) is None:
+                continue
+            why = (f"tenant {name!r}'s token rates were lowered below what this request's "
+                   f"{field} needs")
+            outputs.append(self._end(request, FinishReason.ERROR, RequestState.FAILED, why))
+        return outputs
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

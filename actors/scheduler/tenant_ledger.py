@@ -91,7 +91,8 @@ class TenantLedger:
     def configure(self, name: str, tenant: TenantConfig) -> SchedulerConfig:
         """Change a tenant's weight or limits; returns the config with the new tenant table.
 
-        New limits apply to later admissions; requests already queued or running keep going.
+        New limits apply to later admissions; requests already queued or running keep going
+        (the scheduler ends a queued one the new rates can never take).
         """
         tenants = dict(self.config.tenants)
         tenants[name] = tenant

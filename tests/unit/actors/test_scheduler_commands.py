@@ -51,13 +51,13 @@ def test_release_all_cancels_everyone() -> None:
 
 def test_set_tenant_changes_only_the_fields_named_and_refuses_bad_values() -> None:
     core = _core(tenants={"t": TenantConfig(weight=2.0, max_running=3)})
-    reply = commands.set_tenant(core, m.TenantSet("t", max_queued=5))
-    assert reply.ok
+    reply, outputs = commands.set_tenant(core, m.TenantSet("t", max_queued=5))
+    assert reply.ok and outputs == []
     assert core.config.tenant("t") == TenantConfig(weight=2.0, max_running=3, max_queued=5)
-    reply = commands.set_tenant(core, m.TenantSet("t", weight=-1.0))
+    reply, _ = commands.set_tenant(core, m.TenantSet("t", weight=-1.0))
     assert not reply.ok and "weight" in reply.message
     assert core.config.tenant("t").weight == 2.0
-    assert commands.set_tenant(core, m.TenantSet("t", reset=True)).ok
+    assert commands.set_tenant(core, m.TenantSet("t", reset=True))[0].ok
     assert core.config.tenant("t") == TenantConfig()
 
 

@@ -84,6 +84,25 @@ def test_a_wait_past_max_queue_wait_is_refused_with_a_retry_after(make_sched, cl
     sched.add_request(req("later", max_tokens=100, tenant="m", first=900))
 
 
+def test_a_rate_lowered_below_a_queued_request_ends_it_at_once(make_sched, clock):
+    sched = make_sched(tenants={"m": TenantConfig(output_tokens_per_minute=100)})
+    sched.add_request(req("first", max_tokens=100, tenant="m", arrival=0.0))  # the minute's
+    sched.add_request(req("big", max_tokens=80, tenant="m", first=200, arrival=0.01))
+    sched.add_request(req("small", max_tokens=20, tenant="m", first=300, arrival=0.02))
+    run_for(sched, clock, TICK)
+    assert sched.get_request("first").first_scheduled_time is not None
+    assert sched.get_request("big").state is RequestState.WAITING
+    # 50 a minute can never take 80: it ends now, with the reason, and holds nothing
+    outputs = sched.configure_tenant("m", TenantConfig(output_tokens_per_minute=50))
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("big", FinishReason.ERROR)]
+    assert "lowered" in outputs[0].error and "max_tokens" in outputs[0].error
+    assert sched.get_request("big").state.is_ended
+    # the one already running and the one that still fits go on
+    assert sched.get_request("first").state is RequestState.DECODING
+    assert not sched.get_request("small").state.is_ended
+    sched.check_invariants()
+
+
 def test_unused_output_is_refunded_when_a_request_ends(make_sched, clock):
     sched = make_sched(tenants={"m": TenantConfig(output_tokens_per_minute=100)},
                        eos_token_ids=frozenset({7}))  # the first sampled token ends it
