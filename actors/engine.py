@@ -12,10 +12,13 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
+import torch
+
 from sluice.actors.executor.runner import ModelRunner
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
 from sluice.actors.scheduler.errors import InvalidRequest
 from sluice.actors.scheduler.plan import InvalidParams, RequestOutput, SamplingParams, StepResult
+from sluice.actors.scheduler.step_budget import StepBudget
 from sluice.actors.text import RequestText, Tokenizer, load_tokenizer
 from sluice.ipc.messages import TokenLogprobs
 from sluice.ipc.vocabulary import FinishReason
@@ -68,6 +71,7 @@ class Engine:
                                      block_size=runner.block_size)
         self.scheduler = Scheduler(config, eos_token_ids=self.tokenizer.eos_token_ids,
                                    max_model_len=runner.max_model_len)
+        self.step_budget = StepBudget.for_config(self.scheduler.config)
         self._tracked: dict[str, _Tracked] = {}
         self._awaited: set[str] = set()  # requests a generate() call waits for
         self._finished: dict[str, Completion] = {}  # finished awaited ones, until collected
@@ -122,11 +126,33 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineOutput]:
-        expired = self.scheduler.expire()  # requests past their timeout
-        plan = self.scheduler.schedule()
+        """One iteration. A step that runs out of memory did not happen: the next ones are
+        planned smaller, as in the daemon (`scheduler.step_budget`); at the smallest step
+        the error is raised, with the step undone."""
+        core = self.scheduler
+        expired = core.expire()  # requests past their timeout
+        decodes = len(core.running) - len(core.prefilling)
+        plan = core.schedule(self.step_budget.next(decodes * core.config.decode_weight))
         # update even an empty plan: the core may have ended requests while planning
-        result = self.runner.execute(plan) if plan.seqs else StepResult(plan.step_id)
-        return [self._track(out) for out in (*expired, *self.scheduler.update(plan, result))]
+        outputs = None
+        if plan.seqs:
+            try:
+                result = self.runner.execute(plan)
+            except torch.OutOfMemoryError:
+                cfg = core.config
+                used = plan.prefill_tokens * cfg.prefill_weight + plan.decode_tokens * cfg.decode_weight
+                outputs = core.step_not_run(plan)  # the requests stay, as before the step
+                if not self.step_budget.out_of_memory(used):
+                    raise
+            else:
+                self.step_budget.step_ran()
+        else:
+            result = StepResult(plan.step_id)
+        if outputs is None:
+            outputs = core.update(plan, result)
+        else:  # past the `except`, whose traceback held the failed step's tensors
+            self.runner.free_cached_memory()
+        return [self._track(out) for out in (*expired, *outputs)]
 
     def _track(self, out: RequestOutput) -> EngineOutput:
         tracked = self._tracked.get(out.request_id)
