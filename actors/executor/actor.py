@@ -271,14 +271,22 @@ class Executor(Actor):
             backoff = min(backoff * 2, self.spec.backoff_max)
 
     def _command(self, endpoint: str) -> list[str]:
-        spec = self.spec
+        """The worker's command line. A replacement gets what the first worker settled:
+        the dtypes `auto` chose (it measures, and a measurement can come out the other way)
+        and the pool it sized (free memory moves). The scheduler's tables were made for
+        those, so a worker that chose again would be refused as different; it also starts
+        faster without profiling."""
+        spec, facts = self.spec, self.facts
+        dtype, kv_dtype, num_blocks = spec.dtype, spec.kv_dtype, spec.num_blocks
+        if facts is not None:
+            dtype, kv_dtype, num_blocks = facts.dtype, facts.kv_dtype, facts.num_blocks
         cmd = [sys.executable, "-m", "sluice.actors.executor.worker", "--endpoint", endpoint,
-               "--dtype", spec.dtype, "--kv-dtype", spec.kv_dtype,
+               "--dtype", dtype, "--kv-dtype", kv_dtype,
                "--device", spec.device, "--block-size", str(spec.block_size)]
         if spec.model is not None:
             cmd += ["--model", str(spec.model)]
-        if spec.num_blocks is not None:
-            cmd += ["--num-blocks", str(spec.num_blocks)]
+        if num_blocks is not None:
+            cmd += ["--num-blocks", str(num_blocks)]
         cmd += ["--kv-memory-fraction", repr(float(spec.kv_memory_fraction))]
         if spec.kv_max_bytes is not None:
             cmd += ["--kv-max-bytes", str(spec.kv_max_bytes)]

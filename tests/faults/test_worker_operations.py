@@ -51,3 +51,6 @@ async def test_recover_after_a_worker_loss_on_a_real_worker(model_daemon, offlin
     up = await wait_for(control, lambda r: r.worker.state == "ready")
     assert up.worker.pid not in (0, before.worker.pid)
     assert up.worker.restarts >= down.worker.restarts
+    # the replacement runs what the first settled (`auto` measured once), on the same pool
+    assert (up.worker.dtype, up.worker.kv_dtype) == (before.worker.dtype, before.worker.kv_dtype)
+    assert up.kv.total_blocks == before.kv.total_blocks
