@@ -2,8 +2,8 @@
 
 Same signature as `reference.paged_attention`, which stays the definition it is tested
 against. The C++ op is compiled at first use with torch's extension tooling and cached under
-`TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), so only the first start on a
-machine pays for the build. Where it cannot be built (no compiler, no ninja, a failed build)
+`TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), one build per CPU kind and
+checkout, so only the first start of a checkout on a machine pays for the build. Where it cannot be built (no compiler, no ninja, a failed build)
 or `SLUICE_CPU_PAGED=off` says so, `available()` is False, the reason is logged once and the
 dispatch in `sluice.kernels` runs the reference instead.
 
@@ -17,6 +17,7 @@ decode's is.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -80,7 +81,10 @@ def _build():
     cpp_extension.verify_ninja_availability()
     capability = torch.backends.cpu.get_cpu_capability()
     isa = capability if capability in _ISA_FLAGS else "DEFAULT"
-    name = f"sluice_paged_attention_cpu_{isa.lower()}"
+    # and the checkout: torch rebuilds whenever the build file's source path changes, so two
+    # checkouts sharing one cache would rebuild (and block on each other's lock) in turn
+    checkout = hashlib.sha256(str(SOURCE.resolve()).encode()).hexdigest()[:8]
+    name = f"sluice_paged_attention_cpu_{isa.lower()}_{checkout}"
     _clear_stale_lock(Path(cpp_extension._get_build_directory(name, False)) / "lock")
     cpp_extension.load(
         name=name,
