@@ -1,8 +1,10 @@
 """How many KV blocks the worker's pool gets: memory it may still use, less what its largest
 step needs, times `kv_memory_fraction`.
 
-The memory a process may use on the host is read from text (`/proc/meminfo`, the cgroup v2
-files of the process's cgroup and its ancestors, `/proc/self/status`) by plain functions
+The memory a process may use on the host is read from text (`/proc/meminfo`, the memory
+files of the process's cgroup and its ancestors — cgroup v2's `memory.max` and
+`memory.current`, or v1's `memory.limit_in_bytes` and `memory.usage_in_bytes` —,
+`/proc/self/status`) by plain functions
 that take that text, so they are tested with made-up files; `read_*` do the reading. The
 profiled forward itself is the runner's; this module only turns measurements into blocks.
 """
@@ -20,6 +22,8 @@ DEFAULT_KV_MEMORY_FRACTION = 0.9  # of what remains after the weights and the pr
 DEFAULT_CPU_KV_MAX_BYTES = 1 << 30
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# cgroup v1 writes "no limit" as the largest page-aligned counter (2^63 - 4096 on x86-64)
+_V1_UNLIMITED = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -62,10 +66,11 @@ def meminfo_available(meminfo: str) -> int | None:
 
 
 def cgroup_room(memory_max: str, memory_current: str) -> int | None:
-    """What one cgroup v2 level leaves: `memory.max` minus `memory.current`; None without
-    a limit ("max")."""
+    """What one cgroup level leaves: its limit (v2 `memory.max`, v1 `memory.limit_in_bytes`)
+    minus its use (`memory.current`, `memory.usage_in_bytes`); None without a limit (v2's
+    "max", v1's huge number)."""
     limit = memory_max.strip()
-    if limit == "max":
+    if limit == "max" or int(limit) >= _V1_UNLIMITED:
         return None
     return max(0, int(limit) - int(memory_current.strip()))
 
@@ -96,23 +101,42 @@ def _cgroup_dirs(proc_cgroup: str, root: Path) -> list[Path]:
     """This process's cgroup v2 directory and its ancestors (each may hold a limit)."""
     for line in proc_cgroup.splitlines():
         if line.startswith("0::"):
-            path = root / line[3:].strip().lstrip("/")
-            return [path, *(p for p in path.parents if p.is_relative_to(root))]
+            return _with_ancestors(root / line[3:].strip().lstrip("/"), root)
     return [root]
+
+
+def _cgroup_v1_dirs(proc_cgroup: str, root: Path) -> list[Path]:
+    """This process's cgroup v1 memory directory and its ancestors; [] without one."""
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)  # hierarchy id, controllers, path
+        if len(parts) == 3 and "memory" in parts[1].split(","):
+            mount = root / "memory"
+            folder = mount / parts[2].strip().lstrip("/")
+            # in a cgroup namespace the mount shows the process's own group as its root
+            return _with_ancestors(folder if folder.is_dir() else mount, mount)
+    return []
+
+
+def _with_ancestors(path: Path, root: Path) -> list[Path]:
+    return [path, *(p for p in path.parents if p.is_relative_to(root))]
+
+
+_LEVEL_FILES = (("memory.max", "memory.current"),  # v2
+                ("memory.limit_in_bytes", "memory.usage_in_bytes"))  # v1
 
 
 def read_host_available(root: Path = CGROUP_ROOT) -> int:
     levels = []
     try:
-        dirs = _cgroup_dirs(Path("/proc/self/cgroup").read_text(), root)
+        proc_cgroup = Path("/proc/self/cgroup").read_text()
     except OSError:
-        dirs = []
-    for folder in dirs:
-        try:
-            levels.append(((folder / "memory.max").read_text(),
-                           (folder / "memory.current").read_text()))
-        except OSError:
-            continue  # the root has no memory.max; a level may hide its files
+        proc_cgroup = ""
+    for folder in [*_cgroup_dirs(proc_cgroup, root), *_cgroup_v1_dirs(proc_cgroup, root)]:
+        for limit, usage in _LEVEL_FILES:
+            try:
+                levels.append(((folder / limit).read_text(), (folder / usage).read_text()))
+            except OSError:
+                continue  # the root has no memory.max; a level may hide its files
     return host_available_bytes(Path("/proc/meminfo").read_text(), levels)
 
 

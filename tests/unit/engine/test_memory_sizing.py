@@ -11,6 +11,7 @@ import pytest
 
 from sluice.actors.executor.memory import (
     DEFAULT_CPU_KV_MAX_BYTES,
+    _cgroup_v1_dirs,
     cgroup_room,
     host_available_bytes,
     size_kv_pool,
@@ -37,6 +38,21 @@ def test_a_cgroup_limit_leaves_its_room_and_the_tightest_level_counts():
     # a limit above what the machine has free does not make more of it
     assert host_available_bytes(MEMINFO, [(f"{64 * GIB}\n", "0\n")]) == 16000000 * 1024
     assert cgroup_room(f"{GIB}\n", f"{2 * GIB}\n") == 0  # over its limit: nothing left
+
+
+def test_a_cgroup_v1_limit_counts_and_its_no_limit_number_does_not(tmp_path):
+    unlimited = "9223372036854771712\n"  # what v1 writes for "no limit"
+    assert cgroup_room(unlimited, f"{GIB}\n") is None
+    levels = [(unlimited, "7\n"), (f"{4 * GIB}\n", f"{3 * GIB}\n")]
+    assert host_available_bytes(MEMINFO, levels) == GIB
+    # the memory controller's line names the group under the v1 mount, with its ancestors
+    group = tmp_path / "memory" / "jobs" / "one"
+    group.mkdir(parents=True)
+    text = "9:pids:/jobs/one\n4:cpuacct,memory:/jobs/one\n0::/\n"
+    assert _cgroup_v1_dirs(text, tmp_path) == [group, group.parent, tmp_path / "memory"]
+    # in a cgroup namespace the group's path is not under the mount: the mount is the group
+    assert _cgroup_v1_dirs("4:memory:/elsewhere\n", tmp_path) == [tmp_path / "memory"]
+    assert _cgroup_v1_dirs("0::/user.slice\n", tmp_path) == []  # a v2-only machine
 
 
 def test_with_no_meminfo_field_a_cgroup_limit_still_answers():
