@@ -58,7 +58,7 @@ _handed: dict[str, dict[int, Any]] = {}  # inbox address -> number -> message no
 _handed_numbers = itertools.count()
 # inbox address -> the event its receiving task sleeps on, and that task's trio run
 _bells: dict[str, tuple[trio.Event, trio.lowlevel.TrioToken]] = {}
-_sleepers_thread: int | None = None  # the thread whose tasks sleep on inboxes
+_sleepers_thread: int | None = None  # the thread that made the first inbox; actors run there
 _foreign_puts = False  # some thread other than that one has put a message
 _addresses = itertools.count()
 _FAIR_SHARE = 16  # messages an actor takes in a row before it lets other tasks run
@@ -200,6 +200,9 @@ class Inbox(Outbox):
         self._receiver.zmq.setsockopt(zmq.RCVHWM, 0)
         self._receiver.bind(self.address)
         self._handed = _handed[self.address] = {}
+        global _sleepers_thread
+        if _sleepers_thread is None:  # puts from any other thread count as foreign
+            _sleepers_thread = threading.get_ident()
 
     @property
     def depth(self) -> int:
@@ -235,16 +238,14 @@ class Inbox(Outbox):
         inbox's bell once it has sent: no wait on the socket's FD, whose `EVENTS` reads and
         epoll registrations cost more than the rest of a hop. One task receives, so one
         bell per inbox."""
-        global _sleepers_thread
-        if _sleepers_thread is None:
-            _sleepers_thread = threading.get_ident()
         event = trio.Event()
         _bells[self.address] = (event, trio.lowlevel.current_trio_token())
         try:
             if self._receiver.closed:
                 return
             # a put from another thread may have come between the failed take and the bell
-            if _foreign_puts and self._receiver.zmq.get(EVENTS) & POLLIN:
+            foreign = _foreign_puts or threading.get_ident() != _sleepers_thread
+            if foreign and self._receiver.zmq.get(EVENTS) & POLLIN:
                 return
             await event.wait()
         finally:

@@ -140,7 +140,8 @@ class Engine:
                 result = self.runner.execute(plan)
             except torch.OutOfMemoryError:
                 cfg = core.config
-                used = plan.prefill_tokens * cfg.prefill_weight + plan.decode_tokens * cfg.decode_weight
+                used = (plan.prefill_tokens * cfg.prefill_weight
+                        + plan.decode_tokens * cfg.decode_weight)
                 outputs = core.step_not_run(plan)  # the requests stay, as before the step
                 if not self.step_budget.out_of_memory(used):
                     raise

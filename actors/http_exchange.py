@@ -4,7 +4,8 @@ send.
 `Exchange` turns the typed messages a request's Stream hands over (`Accepted`, `Chunk`,
 `Error`, `Finished`, or a `Rejected`) into the HTTP response: a completion object, or
 server-sent events written as they come (what waits together in one write), the chunks'
-credits given back in batches once hypercorn took their bytes. The rest are small helpers over ASGI's `send`.
+credits given back in batches once hypercorn took their bytes. The rest are small helpers
+over ASGI's `send`.
 
 What does not belong here: routing, limits, keys and streams (`actors.http`), the OpenAI
 shapes themselves (`actors.openai_api`).
@@ -67,12 +68,9 @@ class Exchange:
         Streamed events are written together, and their chunks' credits are given back
         together once hypercorn took the bytes (a full socket withholds them)."""
         events: list[bytes] = []
-        credits = 0
-        request_id = ""
         for item in items:
             if isinstance(item, m.Chunk):
-                request_id = item.request_id
-                credits += 1
+                self.credits_owed += 1
                 if self.request.stream:
                     events.append(self._chunk_event(item))
                 else:
@@ -86,9 +84,8 @@ class Exchange:
                 return True
         if events:
             await self._body(b"".join(events))
-        self.credits_owed += credits
         if self.credits_owed >= self.credit_batch:
-            self.stream.put(m.Credit(request_id, self.credits_owed))
+            self.stream.put(m.Credit(self.request.generate.request_id, self.credits_owed))
             self.credits_owed = 0
         return False
 

@@ -3,8 +3,9 @@
 Same signature as `reference.paged_attention`, which stays the definition it is tested
 against. The C++ op is compiled at first use with torch's extension tooling and cached under
 `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), one build per CPU kind and
-checkout, so only the first start of a checkout on a machine pays for the build. Where it cannot be built (no compiler, no ninja, a failed build)
-or `SLUICE_CPU_PAGED=off` says so, `available()` is False, the reason is logged once and the
+checkout, so only the first start of a checkout on a machine pays for the build. Where it
+cannot be built (no compiler, no ninja, a failed build) or `SLUICE_CPU_PAGED=off` says so,
+`available()` is False, the reason is logged once and the
 dispatch in `sluice.kernels` runs the reference instead.
 
 What runs where was decided by measurement (one core, SmolLM2 shapes: 9 heads, 3 kv heads,
