@@ -94,6 +94,11 @@ class LlamaModel:
             self.layers.append(layer)
         self.cos, self.sin = _rotary_tables(config, self.device)
         self.scale = config.head_dim ** -0.5
+        # oneDNN, which runs torch's reduced-precision matmuls on the host, compiles and keeps
+        # kernels for every row count it meets (about 1.5 MB each here): unpadded, a worker's
+        # memory grows for as long as new step sizes turn up. Rows padded to a few sizes per
+        # octave (at most 1/16 more work) bound what it keeps; `warm_row_counts` fills it.
+        self.pads_rows = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
     @classmethod
     def random(cls, config: ModelConfig, device="cpu", dtype=torch.float32,
@@ -127,6 +132,10 @@ class LlamaModel:
         cfg = self.config
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
+        rows = input_ids.shape[0]
+        pad = self.padded_rows(rows) - rows
+        if pad:  # padding rows: token 0 at position 0, never attended to or written to KV
+            input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         hidden = self.embed[input_ids]
@@ -137,24 +146,55 @@ class LlamaModel:
             # q and k sit side by side in qkv's rows: one rotary pass over both heads' sets
             qk = _rotate(qkv[:, :q_size + kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads,
                                                         cfg.head_dim), cos, sin)
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-            v = qkv[:, q_size + kv_size:].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            q, k = qk[:rows].split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:rows, q_size + kv_size:].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             kernels.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
             attended = kernels.paged_attention(
                 q.contiguous(), key_cache, value_cache, attn.block_tables,
                 attn.query_start_loc, attn.seq_lens, self.scale,
             )
-            hidden = F.linear(attended.view(-1, q_size), layer.o_proj)
+            attended = attended.view(-1, q_size)
+            hidden = F.linear(F.pad(attended, (0, 0, 0, pad)) if pad else attended,
+                              layer.o_proj)
             normed, residual = _add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
             hidden = F.linear(F.silu(gate) * up, layer.down)
         normed, _ = _add_rms_norm(hidden, residual, self.final_norm, cfg.rms_norm_eps)
-        return normed
+        return normed[:rows]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        rows = hidden.shape[0]
+        pad = self.padded_rows(rows) - rows
+        if pad:
+            hidden = F.pad(hidden, (0, 0, 0, pad))
+        return F.linear(hidden, self.lm_head)[:rows].float()
 
+    def padded_rows(self, rows: int) -> int:
+        """The row count a matmul of `rows` rows runs at: `rows` itself up to 32, then rounded
+        up to a 16th of its power of two (at most 1/16 more)."""
+        if not self.pads_rows or rows <= 32:
+            return rows
+        step = 1 << (rows.bit_length() - 5)
+        return -(-rows // step) * step
+
+    @torch.inference_mode()
+    def warm_row_counts(self, max_rows: int) -> None:
+        """Run each layer matmul once at every padded row count up to `max_rows` (the largest
+        step), so that the kernels oneDNN keeps for them (~1 MB each) are made before the pool
+        is sized and the worker serves: its memory is then flat from the start. The vocabulary
+        matmul is left to fill as batches grow (~0.5 MB per row count): warming it would cost
+        seconds per start, most of it for batches the worker may never see."""
+        if not self.pads_rows:
+            return
+        layer = self.layers[0]
+        widths = {w.shape[1] for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)}
+        inputs = {k: torch.zeros(self.padded_rows(max_rows), k, dtype=self.dtype,
+                                 device=self.device) for k in widths}
+        for rows in sorted({self.padded_rows(n) for n in range(1, max_rows + 1)}):
+            for weight, bias in ((layer.qkv, layer.qkv_bias), (layer.o_proj, None),
+                                 (layer.gate_up, None), (layer.down, None)):
+                F.linear(inputs[weight.shape[1]][:rows], weight, bias)
 
 def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,6 +44,7 @@ class ModelRunner:
             config, weights = load_weights(self.model_path, weights_dtype)
             model = LlamaModel(config, weights, device=device, dtype=weights_dtype,
                                kv_dtype=kv_dtype)
+            del weights  # the projections the model fused are copies: their parts go now
         else:
             # a model built elsewhere; the path, when given, still locates its tokenizer
             self.model_path = resolve_model_path(model_path) if model_path else None
@@ -54,6 +55,7 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self._out_of_memory_next = False  # a test fault, see `inject_out_of_memory`
+        model.warm_row_counts(max(1, profile_tokens))  # before sizing: what it keeps counts
         self.kv_sizing: KVSizing | None = None  # how the pool was sized, when it was profiled
         if num_blocks:
             self.num_blocks = num_blocks
