@@ -125,6 +125,18 @@ async def well_behaved_client(listen: str, number: int, max_tokens: int, timeout
                 await trio.sleep(0.05)
 
 
+async def hostile_process(command: list[str], into: dict) -> None:
+    """Run the hostile modes' process to its end; its tallies (or what went wrong) go into
+    `into`."""
+    done = await trio.run_process(command, capture_stdout=True, capture_stderr=True,
+                                  check=False)
+    try:
+        into["tallies"] = json.loads(done.stdout)
+    except ValueError:
+        into["error"] = (f"exit {done.returncode}: "
+                         f"{done.stderr.decode(errors='replace')[-2000:]}")
+
+
 async def run_clients(args, listen: str, seconds: float, record: WellBehaved,
                       extra=None) -> None:
     """The well-behaved clients (and `extra(nursery, stop)`) for `seconds`, then stop them;
@@ -191,7 +203,7 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
                    non_readers=2 if args.executor == "model" else 4,
                    storm_requests=8 if args.executor == "model" else 16,
                    hoard_connections=sd.MAX_CONNECTIONS + 32)
-    tallies = {name: sh.Tally(name) for name in args.hostile}
+    hostile: dict = {}
     faults: list[dict] = []
     origins: list[float] = []
 
@@ -199,9 +211,9 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
         origin = trio.current_time()  # times of freezes and faults count from here
         origins.append(origin)
         nursery.start_soon(liveness.watch, daemon.listen, origin, stop)
-        for name in args.hostile:
-            for _ in range(sh.loops(name, plan)):
-                nursery.start_soon(sh.MODES[name], daemon.listen, plan, tallies[name], stop)
+        if args.hostile:
+            nursery.start_soon(hostile_process, sh.command(
+                daemon.listen, plan, args.hostile, args.minutes * 60), hostile)
         nursery.start_soon(partial(watch.watch, daemon.control, stop, daemon=daemon))
         nursery.start_soon(sf.chaos, args.chaos, daemon, origin, args.chaos_interval, stop,
                            faults, args.recovery_timeout, args.long_tokens)
@@ -230,7 +242,9 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
     for phase in ("baseline", "under_soak"):
         report["well_behaved"][phase]["liveness"] = (quiet if phase == "baseline"
                                                      else liveness).report()
-    report["hostile"] = {name: tally.report() for name, tally in tallies.items()}
+    report["hostile"] = hostile.get("tallies", {})
+    if "error" in hostile:
+        report["hostile_process_error"] = hostile["error"]
     report["faults"] = faults
     report["status_while_running"] = {**watch.report(),
                                       "max_connections": sd.MAX_CONNECTIONS}

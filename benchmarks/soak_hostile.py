@@ -8,14 +8,22 @@ or file descriptors however the daemon behaves. Modes that read until their requ
 check that each accepted request got exactly one `Finished`. The protocol spoken by hand is
 in `soak_wire.py`.
 
+`soak.py` runs the modes in a process of their own (`command` below), as strangers' clients
+are: sharing one event loop, a flooder's sending would delay the well-behaved clients'
+reading, a cost the daemon did not cause.
+
 What does not belong here: the well-behaved load (the client library, in `soak.py`) and
 anything done to the daemon process (`soak_daemon.py`, `soak_faults.py`).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import trio
 
@@ -206,3 +214,39 @@ def loops(name: str, plan: Plan) -> int:
     """How many loops of a mode run at once."""
     return {"non_reader": plan.non_readers, "flood": plan.flooders, "disconnect": 2,
             "churn": 2}.get(name, 1)
+
+
+def command(listen: str, plan: Plan, modes: list[str], seconds: float) -> list[str]:
+    """The command line that runs `modes` against `listen` for `seconds` in a new process;
+    it prints each mode's tally as one JSON object."""
+    return [sys.executable, str(Path(__file__)), "--listen", listen, "--modes", ",".join(modes),
+            "--seconds", str(seconds), "--plan", json.dumps(asdict(plan))]
+
+
+async def _run(listen: str, plan: Plan, tallies: dict[str, Tally], seconds: float) -> None:
+    stop = trio.Event()
+    # every mode's waits are bounded by the request timeout: this bounds the whole run
+    with trio.move_on_after(seconds + plan.request_timeout + 2):
+        async with trio.open_nursery() as nursery:
+            for name, tally in tallies.items():
+                for _ in range(loops(name, plan)):
+                    nursery.start_soon(MODES[name], listen, plan, tally, stop)
+            await trio.sleep(seconds)
+            stop.set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="hostile clients against a daemon")
+    parser.add_argument("--listen", required=True)
+    parser.add_argument("--modes", required=True, help=f"comma-separated: {', '.join(MODES)}")
+    parser.add_argument("--seconds", type=float, required=True)
+    parser.add_argument("--plan", required=True, help="the Plan's fields as JSON")
+    args = parser.parse_args(argv)
+    tallies = {name: Tally(name) for name in args.modes.split(",") if name}
+    trio.run(_run, args.listen, Plan(**json.loads(args.plan)), tallies, args.seconds)
+    print(json.dumps({name: tally.report() for name, tally in tallies.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

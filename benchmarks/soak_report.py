@@ -141,6 +141,8 @@ def problems(report: dict) -> list[str]:
     never_ended = summary(report)["without_exactly_one_finished"]["daemon_accepted_minus_ended"]
     if never_ended and never_ended > 0:
         found.append(f"{never_ended} requests the daemon accepted neither finished nor live")
+    if "hostile_process_error" in report:
+        found.append(f"the hostile clients' process failed: {report['hostile_process_error']}")
     for name, tally in report["hostile"].items():
         if tally["missing_finished"] or tally["duplicate_finished"]:
             found.append(f"{name}: {tally['missing_finished']} accepted requests without a "
