@@ -30,6 +30,7 @@ import structlog
 import trio
 
 from sluice.daemon.logs import configure_logging
+from sluice.daemon.heap import give_back_periodically
 from sluice.daemon.notify import keepalive, notify, reloading
 
 EXIT_ESCALATED = 70  # EX_SOFTWARE
@@ -105,6 +106,7 @@ async def serve(config, config_path: str | None = None, overrides: dict | None =
             print(f"chat with it:  sluice chat --connect {daemon.listen_address}", flush=True)
             notify(f"READY=1\nSTATUS=serving on {daemon.listen_address}")
             nursery.start_soon(keepalive, daemon.summary)
+            nursery.start_soon(give_back_periodically)
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     await reload(daemon, config_path, overrides)

@@ -1,0 +1,49 @@
+"""Handing the C heap's free pages back to the system, so that the daemon's resident memory
+follows what it holds now rather than the most it ever held.
+
+The daemon's allocations come and go with its connections: each Stream has ZeroMQ sockets
+and queues, each burst of requests its frames and buffers. glibc keeps the pages such a burst
+freed for reuse, so after a flood of connections the daemon looks as large as at the flood's
+peak for good, which reads like a leak to whoever watches it. `malloc_trim(0)` gives those
+pages back. It runs once a minute on a thread of its own (ctypes lets go of the GIL): walking
+a fragmented heap can take tens of milliseconds. On a C library without it (musl, macOS) this
+does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import trio
+
+TRIM_INTERVAL_SECONDS = 60.0
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _find_malloc_trim()
+
+
+def give_back_free_memory() -> bool:
+    """Return the heap's free pages to the system now; False where the C library cannot."""
+    if _MALLOC_TRIM is None:
+        return False
+    _MALLOC_TRIM(0)
+    return True
+
+
+async def give_back_periodically(interval: float = TRIM_INTERVAL_SECONDS) -> None:
+    """Every `interval` seconds, until cancelled."""
+    if _MALLOC_TRIM is None:
+        return
+    while True:
+        await trio.sleep(interval)
+        await trio.to_thread.run_sync(give_back_free_memory)
