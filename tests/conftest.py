@@ -5,9 +5,18 @@ engine factory that checks the KV invariant after each test that used it, and (f
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import torch
+# The repository's folders are installed as `sluice.<folder>`, but `python -m pytest` run from
+# the repository root also puts the root itself on sys.path, where `kernels/` would shadow the
+# PyPI `kernels` package that transformers imports (and `daemon/`, `ipc/` any package of that
+# name). Nothing is imported from the root by its bare name, so it leaves sys.path.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 pytest_plugins = ["daemon_fixtures"]
 

@@ -34,11 +34,15 @@ async def test_timeouts_end_waiting_and_paused_requests_and_free_their_kv(null_d
     with trio.fail_after(60):
         async with AsyncClient(handle.listen, credit_window=1) as client:
             # a client that stops reading: its request pauses holding KV, then times out
+            started = time.monotonic()
             paused = await client.generate("never read", max_tokens=3000, timeout=0.8)
             while (await fetch_status(handle.control)).requests.paused < 1:
                 await trio.sleep(0.02)
             assert (await fetch_status(handle.control)).kv.used_blocks > 0
-            started = time.monotonic()
+            # the client reads only once the timeout has ended the paused request: reading
+            # earlier would grant credits and let it run on
+            while (await fetch_status(handle.control)).requests.paused > 0:
+                await trio.sleep(0.02)
             result = await paused.collect()
             assert result.finish_reason == "timeout" and 0 < len(result.token_ids) < 3000
             assert time.monotonic() - started < 5.0
