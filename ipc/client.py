@@ -60,12 +60,13 @@ class _Pending:
 class AsyncGeneration:
     """One request's stream of chunks; iterate it, `cancel()` it, then read `result`."""
 
-    def __init__(self, client: AsyncClient, request_id: str, credit_window: int, recv: Any):
+    def __init__(self, client: AsyncClient, request_id: str, credit_window: int,
+                 pending: _Pending):
         self._client = client
         self.request_id = request_id
         self.prompt_tokens = 0
         self._window = credit_window
-        self._recv = recv
+        self._pending = pending
         self._text: list[str] = []
         self._ids: list[int] = []
         self._logprobs: list[m.TokenLogprobs] | None = None
@@ -88,7 +89,7 @@ class AsyncGeneration:
 
     async def __anext__(self) -> m.Chunk:
         while self._result is None:
-            item = await self._client._next_item(self._recv)
+            item = await self._client._next_item(self._pending)
             if isinstance(item, m.Chunk):
                 self._text.append(item.text)
                 self._ids.extend(item.token_ids)
@@ -211,18 +212,18 @@ class AsyncClient:
                          credits=self.credit_window, timeout=timeout)
         frame = self._codec.encode(msg)
         await self._check_frame_size(frame)
-        send, recv = trio.open_memory_channel[Any](math.inf)  # bounded by credits in practice
-        self._pending[rid] = _Pending(send, recv)
+        pending = _Pending(*trio.open_memory_channel[Any](math.inf))  # credits bound it
+        self._pending[rid] = pending
         await self._send_frame(frame)
-        generation = AsyncGeneration(self, rid, self.credit_window, recv)
-        first = await self._next_item(recv)
+        generation = AsyncGeneration(self, rid, self.credit_window, pending)
+        first = await self._next_item(pending)
         if isinstance(first, m.Rejected):
             self._forget(rid)
             raise error_for(first)
         if isinstance(first, m.Accepted):
             generation.prompt_tokens = first.prompt_tokens
         else:  # an Error or Finished before acceptance: the iteration will show it
-            self._pending[rid].first.append(first)
+            pending.first.append(first)
         return generation
 
     async def status(self) -> m.ServerInfo:
@@ -265,10 +266,10 @@ class AsyncClient:
         return DaemonGone(f"no answer from the daemon at {self.address} within "
                           f"{self.daemon_timeout:g}s: is it running there{keys}?")
 
-    async def _next_item(self, recv: Any) -> Any:
-        for pending in self._pending.values():
-            if pending.recv is recv and pending.first:
-                return pending.first.pop(0)
+    async def _next_item(self, pending: _Pending) -> Any:
+        if pending.first:
+            return pending.first.pop(0)
+        recv = pending.recv
         if self._gone is not None and recv.statistics().current_buffer_used == 0:
             raise self._gone
         try:
