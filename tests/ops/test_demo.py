@@ -11,6 +11,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -59,8 +60,16 @@ def test_make_run_answers_and_keeps_serving_until_ctrl_c(tmp_path) -> None:
         logged = [line for line in lines[asked:] if "request ended" in line]
         assert logged and all(json.loads(line)["event"] == "request ended" for line in logged)
         assert_drained_and_consistent_sync(control)
+        # keep reading what the demo relays, so that a full pipe never holds its daemon's log
+        rest: list[str] = []
+        reader = threading.Thread(target=lambda: rest.extend(demo.stdout), daemon=True)
+        reader.start()
         demo.send_signal(signal.SIGINT)
-        assert demo.wait(timeout=60) == 0
+        try:
+            assert demo.wait(timeout=60) == 0
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"Ctrl-C did not stop the demo in 60 s; it printed "
+                                 f"{rest[-20:]}") from None
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(demo.pid, signal.SIGKILL)
