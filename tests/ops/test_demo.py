@@ -47,7 +47,10 @@ def test_make_run_answers_and_keeps_serving_until_ctrl_c(tmp_path) -> None:
         [sys.executable, "-m", "sluice.daemon.demo", "--listen", "tcp://127.0.0.1:0",
          "--control", control],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)  # its daemon in its group: a failed test leaves no daemon
+        start_new_session=True,  # its daemon in its group: a failed test leaves no daemon
+        # a Python started with SIGINT ignored (as this process may be, by an earlier test)
+        # never turns Ctrl-C into KeyboardInterrupt: start the demo as a terminal would
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = _lines_until(demo, "keeps serving", 240)
         asked = lines.index(f"> {QUESTION}")
