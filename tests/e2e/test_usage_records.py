@@ -176,15 +176,17 @@ async def test_withheld_credits_show_in_delivery_not_in_queue_or_prefill(null_da
     handle = await null_daemon()
     with trio.fail_after(30):
         async with AsyncClient(handle.listen, credit_window=1) as client:
-            generation = await client.generate("read slowly", max_tokens=6)
+            # more tokens than the stream buffers before it pauses the request, so the
+            # request cannot end before the client reads on, however fast the steps are
+            generation = await client.generate("read slowly", max_tokens=1000)
             await generation.__anext__()  # the first chunk used the one credit
-            await trio.sleep(0.5)  # no credit for the rest meanwhile: the stream holds it
+            await trio.sleep(0.5)  # one more credit meanwhile: the stream holds the rest
             result = await generation.collect()
     t = result.timings
-    assert len(result.token_ids) == 6
+    assert result.finish_reason == "length" and len(result.token_ids) == 1000
     assert t.finished - t.first_token >= 0.45  # the wait is delivery's ...
     assert t.queue < 0.25 and t.prefill < 0.25 and t.ttft < 0.25  # ... not the rest's
-    assert t.tpot == pytest.approx((t.finished - t.first_token) / 5)
+    assert t.tpot == pytest.approx((t.finished - t.first_token) / 999)
 
 
 async def test_a_long_prompt_shows_in_prefill(model_daemon) -> None:
