@@ -48,8 +48,9 @@ def test_make_run_answers_and_keeps_serving_until_ctrl_c(tmp_path) -> None:
          "--control", control],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,  # its daemon in its group: a failed test leaves no daemon
-        # a Python started with SIGINT ignored (as this process may be, by an earlier test)
-        # never turns Ctrl-C into KeyboardInterrupt: start the demo as a terminal would
+        # a suite started as a background job of a non-interactive shell inherits SIGINT
+        # ignored, and a Python started so never turns Ctrl-C into KeyboardInterrupt:
+        # start the demo as a terminal would
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = _lines_until(demo, "keeps serving", 240)
