@@ -24,7 +24,14 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(skip_special_tokens=True)
         self._held = ""  # decoded text not sent yet because it may start a stop string
         self.stopped = False
-        self.text = ""  # everything returned so far
+        self._released: list[str] = []  # everything returned so far, joined when asked
+
+    @property
+    def text(self) -> str:
+        """Everything returned so far."""
+        if len(self._released) > 1:
+            self._released = ["".join(self._released)]
+        return self._released[0] if self._released else ""
 
     def push(self, token_ids: list[int]) -> str:
         """Add tokens; return the text that can be sent now."""
@@ -53,7 +60,9 @@ class IncrementalDetokenizer:
         return self._emit(rest)
 
     def _emit(self, text: str) -> str:
-        self.text += text
+        # appended, not concatenated: `self.text += text` copied the whole text per token
+        if text:
+            self._released.append(text)
         return text
 
     def _decode_new(self, token_ids: list[int]) -> str:
