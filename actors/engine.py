@@ -170,7 +170,9 @@ class Engine:
                 out = stopped
         completion.token_ids.extend(out.new_token_ids)
         if out.logprobs:
-            completion.logprobs = [*(completion.logprobs or ()), *text.logprobs(out.logprobs)]
+            if completion.logprobs is None:
+                completion.logprobs = []
+            completion.logprobs.extend(text.logprobs(out.logprobs))
         usage = None
         if out.finished:
             delta += text.end(out.finish_reason)

@@ -94,7 +94,9 @@ class AsyncGeneration:
                 self._text.append(item.text)
                 self._ids.extend(item.token_ids)
                 if item.logprobs is not None:
-                    self._logprobs = [*(self._logprobs or ()), *item.logprobs]
+                    if self._logprobs is None:
+                        self._logprobs = []
+                    self._logprobs.extend(item.logprobs)
                 await self._grant()
                 return item
             if isinstance(item, m.Finished):
