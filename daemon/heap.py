@@ -1,5 +1,6 @@
-"""Handing the C heap's free pages back to the system, so that the daemon's resident memory
-follows what it holds now rather than the most it ever held.
+"""The daemon's memory housekeeping: the C heap's free pages handed back to the system, so
+that its resident memory follows what it holds now rather than the most it ever held; and
+Python's collector set for a daemon whose objects are freed by reference counting.
 
 The daemon's allocations come and go with its connections: each Stream has ZeroMQ sockets
 and queues, each burst of requests its frames and buffers. glibc keeps the pages such a burst
@@ -8,16 +9,31 @@ peak for good, which reads like a leak to whoever watches it. `malloc_trim(0)` g
 pages back. It runs once a minute on a thread of its own (ctypes lets go of the GIL): walking
 a fragmented heap can take tens of milliseconds. On a C library without it (musl, macOS) this
 does nothing.
+
+The collector: everything loaded before serving (modules, the tokenizer, the model's facts)
+lives as long as the daemon, so it is frozen out of the collector's scans. A busy daemon's
+messages are short-lived and free no cycles: at Python's default trigger (700 allocations net
+of frees) the young generation was collected ~140 times a second under the null bench, ~5% of
+the event loop's CPU, finding nothing. Net allocations stay under 20,000 there, so collections
+become rare while cycles, should any form, are still bounded.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 from collections.abc import Callable
 
 import trio
 
 TRIM_INTERVAL_SECONDS = 60.0
+YOUNG_COLLECTION_THRESHOLD = 20_000  # net allocations that start a young-generation pass
+
+
+def settle_collector() -> None:
+    """Once loaded, before serving: freeze what exists, collect the young generation rarely."""
+    gc.freeze()
+    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, 20, 100)
 
 
 def _find_malloc_trim() -> Callable[[int], int] | None:

@@ -21,7 +21,6 @@ the command to chat; systemd hears READY=1 (`notify.py`).
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import signal
 import sys
@@ -30,7 +29,7 @@ import structlog
 import trio
 
 from sluice.daemon.logs import configure_logging
-from sluice.daemon.heap import give_back_periodically
+from sluice.daemon.heap import give_back_periodically, settle_collector
 from sluice.daemon.notify import keepalive, notify, reloading
 
 EXIT_ESCALATED = 70  # EX_SOFTWARE
@@ -95,15 +94,7 @@ async def serve(config, config_path: str | None = None, overrides: dict | None =
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(daemon.run)
-            # Everything loaded so far (modules, the tokenizer, the model's facts) lives as
-            # long as the daemon: keep the collector from re-scanning it on every pass, which
-            # the many short-lived messages of a busy daemon would otherwise trigger often.
-            gc.freeze()
-            # A busy daemon's messages are short-lived and free no cycles: at the default
-            # 700-allocation trigger the young generation was collected ~140 times a second
-            # under the null bench (~5% of the loop's CPU, nothing found); allocations net of
-            # frees stay under this one, so a collection is rare but still bounds cycles.
-            gc.set_threshold(20_000, 20, 100)
+            settle_collector()  # what is loaded now lives as long as the daemon
             metrics = "" if daemon.metrics_port is None else f" metrics={daemon.metrics_port}"
             http = "" if daemon.http_address is None else f" http={daemon.http_address}"
             print(f"sluiced ready listen={daemon.listen_address} control={daemon.control_address}"

@@ -36,3 +36,29 @@ def test_pages_a_freed_burst_left_go_back():
     finally:
         for piece in pieces[::16]:
             libc.free(piece)
+
+
+def test_the_settled_collector_still_frees_a_cycle_once_allocations_pile_up():
+    import gc
+    import weakref
+
+    from sluice.daemon.heap import YOUNG_COLLECTION_THRESHOLD, settle_collector
+
+    class Node:
+        pass
+
+    before = gc.get_threshold()
+    try:
+        settle_collector()
+        assert gc.get_freeze_count() > 0  # what was loaded is out of the collector's scans
+        node = Node()
+        node.self = node  # a cycle: reference counting alone never frees it
+        gone = weakref.ref(node)
+        del node
+        kept = [[] for _ in range(YOUNG_COLLECTION_THRESHOLD // 2)]
+        assert gone() is not None  # short of the threshold, no pass has run
+        kept += [[] for _ in range(YOUNG_COLLECTION_THRESHOLD)]
+        assert gone() is None  # past it, a young pass freed the cycle
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
