@@ -134,14 +134,14 @@ def _unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from gguf.quants import dequantize
+    from sluice.actors.executor.gguf_file import dequantize
 
     reader = open_gguf(path)
     config = _gguf_config(reader, path)
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         try:
-            values = dequantize(tensor.data, tensor.tensor_type)
+            values = dequantize(tensor)
         except Exception as exc:
             raise ModelLoadError(f"{path}: tensor {tensor.name} cannot be read ({exc})") from exc
         name = _gguf_name(tensor.name)

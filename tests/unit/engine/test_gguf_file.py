@@ -94,3 +94,22 @@ def test_malformed_files_are_refused_naming_the_file_and_the_fault(tmp_path) -> 
     version.write_bytes(data[:4] + (9).to_bytes(4, "little") + data[8:])
     with pytest.raises(ModelLoadError, match="v9.gguf.*version 9"):
         open_gguf(version)
+
+
+def test_dequantized_values_are_bit_equal_to_the_gguf_packages(smollm_path, tmp_path) -> None:
+    from gguf.quants import dequantize as reference
+
+    from sluice.actors.executor.gguf_file import dequantize
+
+    model = GGUFFile(smollm_path)
+    kinds = {t.tensor_type for t in model.tensors}
+    assert {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0} <= kinds
+    for tensor in model.tensors:  # the embedding spans many pieces of blocks
+        ours = dequantize(tensor)
+        expected = reference(tensor.data, tensor.tensor_type)
+        assert ours.dtype == expected.dtype and ours.shape == expected.shape, tensor.name
+        assert np.array_equal(ours, expected), tensor.name
+    path = tmp_path / "kinds.gguf"
+    write_every_kind(path)
+    for tensor in GGUFFile(path).tensors:  # Q8_0 written here, F16 and F32 passed through
+        assert np.array_equal(dequantize(tensor), reference(tensor.data, tensor.tensor_type))
