@@ -62,3 +62,27 @@ def test_the_settled_collector_still_frees_a_cycle_once_allocations_pile_up():
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+async def test_the_periodic_pass_frees_a_cycle_that_reached_the_oldest_generation():
+    import gc
+    import weakref
+
+    import trio
+
+    from sluice.daemon.heap import give_back_periodically
+
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node
+    gone = weakref.ref(node)
+    gc.collect(1)  # a survivor of the young and middle passes: now in the oldest generation
+    assert gc.is_tracked(node) and gone() is not None
+    del node  # garbage now, but only a full pass looks at the oldest generation
+    gc.collect(1)
+    assert gone() is not None
+    with trio.move_on_after(0.2):
+        await give_back_periodically(interval=0.05)
+    assert gone() is None
