@@ -15,6 +15,7 @@ bit-equal; its row-group loop took twice as long. Other types go to the `gguf` p
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from gguf.quants import quant_shape_to_byte_shape
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+MAX_ARRAY_DEPTH = 4  # arrays of arrays nest this deep at most (real files: 1)
 
 # value type -> struct format of one item (8: string, 9: array are read apart)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
@@ -40,7 +42,7 @@ _PLAIN = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.flo
           GGMLQuantizationType.I64: np.int64}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # equality over arrays means nothing here
 class GGUFTensor:
     name: str
     tensor_type: GGMLQuantizationType
@@ -106,7 +108,7 @@ class GGUFFile:
         except UnicodeDecodeError as exc:
             raise ValueError(f"a string at offset {self._pos - size} is not UTF-8") from exc
 
-    def _value(self, kind: int) -> Any:
+    def _value(self, kind: int, depth: int = 0) -> Any:
         if kind in _SCALARS:
             return self._unpack(_SCALARS[kind])
         if kind == _STRING:
@@ -120,7 +122,10 @@ class GGUFFile:
             if item_kind == _STRING:
                 return [self._string() for _ in range(self._count(count, 8))]
             if item_kind == _ARRAY:
-                return [self._value(_ARRAY) for _ in range(self._count(count, 12))]
+                if depth >= MAX_ARRAY_DEPTH:
+                    raise ValueError(f"arrays nest deeper than {MAX_ARRAY_DEPTH} at offset "
+                                     f"{self._pos}")
+                return [self._value(_ARRAY, depth + 1) for _ in range(self._count(count, 12))]
             raise ValueError(f"an array of value type {item_kind} at offset {self._pos}")
         raise ValueError(f"value type {kind} at offset {self._pos} is not a GGUF type")
 
@@ -139,19 +144,19 @@ class GGUFFile:
             block, type_size = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
             raise ValueError(f"tensor {name!r} has unknown type {kind}") from None
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)  # exact: a shape that overflows 64 bits is refused below
         np_shape = tuple(reversed(shape))
         if qtype in _PLAIN:
             item, items = _PLAIN[qtype], count
         else:
-            if count % block:
-                raise ValueError(f"tensor {name!r}: {count} values are not whole "
-                                 f"{qtype.name} blocks")
+            if shape and shape[0] % block:  # blocks run along the innermost dimension
+                raise ValueError(f"tensor {name!r}: rows of {shape[0]} values are not whole "
+                                 f"{qtype.name} blocks of {block}")
             item, items = np.uint8, count // block * type_size
             np_shape = quant_shape_to_byte_shape(np_shape, qtype)
         begin = start + offset
         end = begin + items * np.dtype(item).itemsize
-        if end > len(self._map):
+        if begin > len(self._map) or end > len(self._map):
             raise ValueError(f"tensor {name!r} ends past the end of the file")
         data = self._map[begin:end].view(item).reshape(np_shape)
         return GGUFTensor(name, qtype, shape, np.asarray(data))
@@ -161,7 +166,8 @@ _PIECE_BLOCKS = 1 << 16  # blocks dequantized at a time: bounds the temporaries
 
 
 def dequantize(tensor: GGUFTensor) -> np.ndarray:
-    """The tensor's values as float32 (plain types as stored), in numpy order."""
+    """The tensor's values as float32, in numpy order (F32 as stored, F16 widened; the types
+    the `gguf` package cannot dequantize raise its `NotImplementedError`)."""
     kind = tensor.tensor_type
     if kind not in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
         return gguf_dequantize(tensor.data, kind)

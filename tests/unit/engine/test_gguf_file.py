@@ -17,11 +17,8 @@ def assert_same_as_reference(path) -> GGUFFile:
     keys = [k for k in reference.fields if not k.startswith("GGUF.")]
     assert list(ours.fields) == keys
     for key in keys:
-        expected = reference.fields[key].contents()
-        if isinstance(expected, float):  # the reference hands back float32 values widened
-            assert np.float32(ours.fields[key]) == np.float32(expected), key
-        else:
-            assert ours.fields[key] == expected, key
+        expected, mine = reference.fields[key].contents(), ours.fields[key]
+        assert type(mine) is type(expected) and mine == expected, key  # bool is not int
     assert [t.name for t in ours.tensors] == [t.name for t in reference.tensors]
     for mine, theirs in zip(ours.tensors, reference.tensors):
         assert mine.tensor_type == theirs.tensor_type
@@ -90,6 +87,14 @@ def test_malformed_files_are_refused_naming_the_file_and_the_fault(tmp_path) -> 
     huge.write_bytes(data[:8] + (0).to_bytes(8, "little") + (2**62).to_bytes(8, "little"))
     with pytest.raises(ModelLoadError, match="huge.gguf.*count of 4611686018427387904"):
         open_gguf(huge)
+    nested = tmp_path / "nested.gguf"  # arrays of arrays 5,000 deep: refused, no recursion
+    body = b"".join((9).to_bytes(4, "little") + (1).to_bytes(8, "little") for _ in range(5000))
+    key = b"k"
+    nested.write_bytes(data[:8] + (0).to_bytes(8, "little") + (1).to_bytes(8, "little")
+                       + len(key).to_bytes(8, "little") + key + (9).to_bytes(4, "little")
+                       + body + (4).to_bytes(4, "little") + (0).to_bytes(8, "little"))
+    with pytest.raises(ModelLoadError, match="nested.gguf.*arrays nest deeper"):
+        open_gguf(nested)
     version = tmp_path / "v9.gguf"
     version.write_bytes(data[:4] + (9).to_bytes(4, "little") + data[8:])
     with pytest.raises(ModelLoadError, match="v9.gguf.*version 9"):
@@ -113,3 +118,25 @@ def test_dequantized_values_are_bit_equal_to_the_gguf_packages(smollm_path, tmp_
     write_every_kind(path)
     for tensor in GGUFFile(path).tensors:  # Q8_0 written here, F16 and F32 passed through
         assert np.array_equal(dequantize(tensor), reference(tensor.data, tensor.tensor_type))
+
+
+def one_tensor_file(path, dims: tuple[int, ...], kind: int) -> None:
+    """A GGUF v3 file with no metadata and one tensor named "t", and 4 kB of data."""
+    u32, u64 = (lambda v: v.to_bytes(4, "little")), (lambda v: v.to_bytes(8, "little"))
+    info = u64(1) + b"t" + u32(len(dims)) + b"".join(u64(d) for d in dims) + u32(kind) + u64(0)
+    header = b"GGUF" + u32(3) + u64(1) + u64(0) + info
+    path.write_bytes(header + bytes(-len(header) % 32) + bytes(4096))
+
+
+def test_impossible_tensor_shapes_are_refused_naming_the_tensor(tmp_path) -> None:
+    fits = tmp_path / "fits.gguf"
+    one_tensor_file(fits, (4, 16), GGMLQuantizationType.F32)
+    assert GGUFFile(fits).tensors[0].data.shape == (16, 4)  # valid input is accepted
+    huge = tmp_path / "huge.gguf"  # 2**64 + 4 values: wraps to 4 in 64-bit arithmetic
+    one_tensor_file(huge, (2**62 + 1, 4), GGMLQuantizationType.F32)
+    with pytest.raises(ModelLoadError, match="huge.gguf.*tensor 't' ends past the end"):
+        open_gguf(huge)
+    rows = tmp_path / "rows.gguf"  # 64 values in all, but rows of 16: not whole 32-blocks
+    one_tensor_file(rows, (16, 4), GGMLQuantizationType.Q8_0)
+    with pytest.raises(ModelLoadError, match="rows.gguf.*tensor 't': rows of 16"):
+        open_gguf(rows)
