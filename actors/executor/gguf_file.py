@@ -116,9 +116,9 @@ class GGUFFile:
         if kind == _ARRAY:
             item_kind, count = self._unpack("I"), self._unpack("Q")
             if item_kind in _SCALARS:
-                fmt = f"<{self._count(count, struct.calcsize(_SCALARS[item_kind]))}"
-                return list(struct.unpack(fmt + _SCALARS[item_kind],
-                                          self._take(struct.calcsize(fmt + _SCALARS[item_kind]))))
+                item = _SCALARS[item_kind]
+                fmt = f"<{self._count(count, struct.calcsize(item))}{item}"
+                return list(struct.unpack(fmt, self._take(struct.calcsize(fmt))))
             if item_kind == _STRING:
                 return [self._string() for _ in range(self._count(count, 8))]
             if item_kind == _ARRAY:
