@@ -55,6 +55,9 @@ _GIVEN_AWAY = frozenset({am.StepOutputs})  # mutable, but the sender keeps no re
 _CHECK_HANDED_OVER = os.environ.get("SLUICE_CHECK_HANDED_OVER") == "1"
 _HANDED = b"\xc1"  # first byte of a handed-over message's frame: never a msgpack message's
 _handed: dict[str, dict[int, Any]] = {}  # inbox address -> number -> message not yet taken
+# inbox address -> messages sent to it by this thread's puts and not yet taken: a receiver
+# with none waiting does not ask its socket, whose failed read costs a poll() and an exception
+_waiting: dict[str, list[int]] = {}
 _handed_numbers = itertools.count()
 # inbox address -> the event its receiving task sleeps on, and that task's trio run
 _bells: dict[str, tuple[trio.Event, trio.lowlevel.TrioToken]] = {}
@@ -115,7 +118,8 @@ class Outbox:
                 return
             self._socket.setsockopt(zmq.SNDHWM, 0)
             self._socket.connect(self.address)
-        pending = _handed.get(self.address) if type(msg) in HANDED_OVER else None
+        address = self.address
+        pending = _handed.get(address) if type(msg) in HANDED_OVER else None
         if pending is None:
             frame, number = CODEC.encode(msg), None
         else:
@@ -134,8 +138,12 @@ class Outbox:
         if threading.get_ident() != _sleepers_thread:
             global _foreign_puts
             _foreign_puts = True
-        if self.address in _bells:
-            _ring(self.address)
+        else:
+            waiting = _waiting.get(address)
+            if waiting is not None:
+                waiting[0] += 1
+        if address in _bells:
+            _ring(address)
 
     def close(self) -> None:
         self._closed = True
@@ -200,6 +208,7 @@ class Inbox(Outbox):
         self._receiver.zmq.setsockopt(zmq.RCVHWM, 0)
         self._receiver.bind(self.address)
         self._handed = _handed[self.address] = {}
+        self._waiting = _waiting[self.address] = [0]
         global _sleepers_thread
         if _sleepers_thread is None:  # puts from any other thread count as foreign
             _sleepers_thread = threading.get_ident()
@@ -215,6 +224,7 @@ class Inbox(Outbox):
         _ring(self.address)  # a task sleeping on it finds it closed
         _handed.pop(self.address, None)  # with the frames that named them, never taken
         self._handed.clear()
+        _waiting.pop(self.address, None)
 
     def get_nowait(self) -> Any:
         """The next message, or `trio.WouldBlock` when there is none.
@@ -222,10 +232,14 @@ class Inbox(Outbox):
         Raises `trio.ClosedResourceError` once the inbox is closed."""
         if self._receiver.closed:
             raise trio.ClosedResourceError(f"the inbox of {self.name} is closed")
+        waiting = self._waiting
+        if waiting[0] <= 0 and not _foreign_puts:
+            raise trio.WouldBlock
         try:
             frame = self._receiver.zmq.recv(zmq.NOBLOCK)
         except zmq.Again:
             raise trio.WouldBlock from None
+        waiting[0] -= 1
         self.taken += 1
         if frame[:1] == _HANDED:
             return self._handed.pop(int.from_bytes(frame[1:], "little"))
