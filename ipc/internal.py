@@ -122,6 +122,22 @@ class InternalCodec:
         return msgpack.unpackb(frame, ext_hook=self._unpack_object, use_list=False, raw=False,
                                strict_map_key=False)
 
+    def encode_compact(self, cls: type, plain: list) -> bytes:
+        """A message of `cls` (a type with `to_plain`/`from_plain`) encoded from that compact
+        form, for a sender that built the form without building the object."""
+        return self.encode(self._extension(_OBJECT, [self._by_class[cls].tag, plain]))
+
+    def decode_compact(self, frame: bytes, cls: type) -> Any:
+        """The compact form of an encoded `cls` message, not built into the object, for a
+        reader that needs only a few of its fields."""
+        outer = msgpack.unpackb(frame, ext_hook=lambda code, data: (code, data), raw=False)
+        if type(outer) is not tuple or outer[0] != _OBJECT:
+            raise TypeError(f"expected a {cls.__name__}, got {type(outer).__name__}")
+        tag, packed = self.decode(outer[1])
+        if tag != self._by_class[cls].tag:
+            raise TypeError(f"expected a {cls.__name__}, got a {self._by_tag[tag].cls.__name__}")
+        return packed
+
     def _pack_object(self, obj: Any) -> msgpack.ExtType | list:
         entry = self._by_class.get(type(obj))
         if entry is None and isinstance(obj, (set, frozenset)):

@@ -3,8 +3,11 @@
 It answers every step plan at once with tokens from a fixed cycle (never EOS), so requests
 end by length. It exists to measure what the daemon itself costs per token (sockets, actors,
 scheduling, detokenizing, streaming); its output means nothing. It stands in for the worker
-process and speaks its protocol: it decodes each plan and encodes each result as the worker
-does, so the Scheduler's side of a step is the same with either executor. Asked for the
+process and speaks its protocol: it reads each plan's bytes and answers with a result's bytes
+in the worker's encoding, so the Scheduler's side of a step is the same with either executor.
+It reads and writes the compact forms without building the plan's and result's objects: that
+work is the worker process's, not the daemon's, and charging it to the daemon would
+overstate what serving costs. Asked for the
 worker's state (`WorkerQuery`) it answers with the facts it was configured with. The test
 fault `InjectOutOfMemory` makes it answer the next plan as a worker out of memory would.
 """
@@ -15,16 +18,10 @@ from collections.abc import Sequence
 
 from sluice.actors import messages as am
 from sluice.actors.base import Actor, Handler, Outbox, Outboxes
-from sluice.actors.executor.worker import (
-    InjectOutOfMemory,
-    PlanFrame,
-    ResultFrame,
-    StepOutOfMemory,
-    decode_plan,
-    encode_result,
-)
+from sluice.actors.executor.worker import InjectOutOfMemory, PlanFrame, ResultFrame, StepOutOfMemory
+from sluice.actors.registry import CODEC
 from sluice.actors.reports import WorkerFacts, WorkerQuery, WorkerState
-from sluice.actors.scheduler.plan import SampledToken, StepResult
+from sluice.actors.scheduler.plan import SamplingParams, StepPlan, StepResult
 
 
 class NullExecutor(Actor):
@@ -72,25 +69,28 @@ class NullExecutor(Actor):
         self.out_of_memory_next = True
 
     async def on_plan(self, frame: PlanFrame) -> None:
-        plan = decode_plan(frame.frame)
+        # the compact forms of `StepPlan.to_plain` and `StepResult.to_plain`
+        step_id, samplings, seqs = CODEC.decode_compact(frame.frame, StepPlan)
         if self.out_of_memory_next:
             self.out_of_memory_next = False
-            self.scheduler.put(StepOutOfMemory(plan.step_id, "test fault: out of memory"))
+            self.scheduler.put(StepOutOfMemory(step_id, "test fault: out of memory"))
             return
-        cycle = self.token_cycle
+        cycle, period = self.token_cycle, len(self.token_cycle)
+        asks = [SamplingParams.from_plain(params).logprobs for params in samplings]
         sampled = {
-            seq.request_id: _certain(cycle[seq.num_generated % len(cycle)], seq.sampling.logprobs)
-            for seq in plan.seqs
-            if seq.sample
+            rid: _certain(cycle[generated % period], asks[params])
+            for rid, _tokens, _start, _table, sample, params, generated, *_ in seqs
+            if sample
         }
-        self.scheduler.put(ResultFrame(encode_result(StepResult(plan.step_id, sampled))))
+        self.scheduler.put(ResultFrame(CODEC.encode_compact(StepResult, [step_id, sampled, 0.0])))
 
     async def on_crash(self, exc: BaseException) -> None:
         self.scheduler.put(am.WorkerLost(f"null executor crashed: {type(exc).__name__}"))
 
 
-def _certain(token_id: int, logprobs: int | None) -> SampledToken:
-    """The cycle's next token: certain, so its logprob is 0 and it is its only alternative."""
+def _certain(token_id: int, logprobs: int | None) -> list:
+    """The cycle's next token (`SampledToken`'s compact form): certain, so its logprob is 0
+    and it is its only alternative."""
     if logprobs is None:
-        return SampledToken(token_id)
-    return SampledToken(token_id, 0.0, [(token_id, 0.0)] if logprobs else None)
+        return [token_id, None, None]
+    return [token_id, 0.0, [(token_id, 0.0)] if logprobs else None]
