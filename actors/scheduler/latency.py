@@ -49,29 +49,39 @@ class LatencyLog:
     def __init__(self, keep: int = 2048, *, histograms: bool = False):
         self.ttft: deque[float] = deque(maxlen=keep)
         self.itl: deque[float] = deque(maxlen=keep)
-        self.tokens: deque[tuple[float, int]] = deque(maxlen=keep)  # (time, tokens)
+        # (time, tokens) per step that produced any: per output, 2,048 entries held only the
+        # last few steps of a busy daemon, and the rate over 5 s read far too low
+        self.tokens: deque[tuple[float, int]] = deque(maxlen=keep)
         self.output_tokens = 0
-        self.last_token: dict[str, float] = {}
+        # request id -> (time of its last token, its histogram label), looked up once
+        self.last_token: dict[str, tuple[float, str]] = {}
         self.histograms = histograms
         self.buckets: dict[tuple[str, str], Buckets] = {}
 
     def record(self, core: Scheduler, outputs: list[RequestOutput]) -> None:
         now = core.clock()
+        produced = 0
+        last_token = self.last_token
         for out in outputs:
+            rid = out.request_id
             n = len(out.new_token_ids)
-            request = core.requests.get(out.request_id) or core.recently_ended.get(out.request_id)
-            if n and request is not None:
-                self.output_tokens += n
-                self.tokens.append((now, n))
-                previous = self.last_token.get(out.request_id)
-                tenant = request.tenant if core.config.is_configured(request.tenant) else ""
-                if previous is None:
-                    self._observe("ttft", now - (request.arrival_time or now), tenant)
-                else:
+            if n:
+                seen = last_token.get(rid)
+                if seen is not None:
+                    previous, tenant = seen
                     self._observe("itl", (now - previous) / n, tenant)
-                self.last_token[out.request_id] = now
+                    last_token[rid] = (now, tenant)
+                    produced += n
+                elif (request := core.requests.get(rid) or core.recently_ended.get(rid)):
+                    tenant = request.tenant if core.config.is_configured(request.tenant) else ""
+                    self._observe("ttft", now - (request.arrival_time or now), tenant)
+                    last_token[rid] = (now, tenant)
+                    produced += n
             if out.finished:
-                self.last_token.pop(out.request_id, None)
+                last_token.pop(rid, None)
+        if produced:
+            self.output_tokens += produced
+            self.tokens.append((now, produced))
 
     def step(self, plan: StepPlan, seconds: float) -> None:
         """One executed iteration: its duration, prefill chunk sizes and decode batch size."""
