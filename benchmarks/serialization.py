@@ -11,7 +11,9 @@ What is counted:
 - the internal codec (`sluice.actors.registry.CODEC`): a top-level encode or decode of a message
   that carries sampled tokens (a step result, step outputs, chunks, a client frame);
 - the worker protocol's `encode_*`/`decode_*` (`sluice.actors.executor.worker`, which pack
-  with the same codec and are counted once, as theirs), wherever they are called (the null executor stands in for the worker process);
+  with the same codec and are counted once, as theirs), wherever they are called, and the
+  compact-form reads and writes of a plan or result (`decode_compact`/`encode_compact`, the
+  null executor's, which stands in for the worker process);
 - the client codec's `envelope` of a `Chunk` (the frame the client receives);
 - besides, every msgpack call the daemon makes, by the function that made it, as a check
   that nothing encodes outside the codecs above.
@@ -112,6 +114,20 @@ def _instrument() -> None:
         return msg
 
     codec.encode, codec.decode = counted_encode, counted_decode
+
+    def as_worker_protocol(original, op):
+        def counted(first, second):
+            cls = first if isinstance(first, type) else second
+            _hop(cls.__name__, op, "worker protocol")
+            inside_worker_protocol[0] += 1
+            try:
+                return original(first, second)
+            finally:
+                inside_worker_protocol[0] -= 1
+        return counted
+
+    codec.encode_compact = as_worker_protocol(codec.encode_compact, "encode")
+    codec.decode_compact = as_worker_protocol(codec.decode_compact, "decode")
 
     envelope = Codec.envelope
 
