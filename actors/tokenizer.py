@@ -139,7 +139,8 @@ class Tokenizer(Actor):
         self.culprit: str | None = None  # the request whose output is being rendered
         self.deliveries: dict[str, list] = {}  # stream address -> messages
         self.records: list = []  # usage records of unattended requests, sent after the message
-        self.unhandled: list = []
+        self.unhandled: list = []  # the outputs of the step being rendered
+        self.handling = 0  # ... and the index of the one in hand
         # long prompts handed to worker threads: not yet admitted, their bytes still held
         self.tokenizing: dict[str, _Held] = {}
         self.pending_prompt_bytes = 0
@@ -360,15 +361,15 @@ class Tokenizer(Actor):
         self._render_all(list(msg.outputs))
 
     def _render_all(self, outputs: list) -> None:
-        self.unhandled = outputs
-        while self.unhandled:
-            out = self.unhandled[0]
+        self.unhandled, self.handling = outputs, 0
+        for i, out in enumerate(outputs):
+            self.handling = i
             state = self.requests.get(out.request_id)
             if state is not None:
                 self.culprit = out.request_id
                 self._render(out, state, self._outbox(state.reply_to))
                 self.culprit = None
-            self.unhandled.pop(0)
+        self.unhandled, self.handling = [], 0
         self._deliver()
 
     def _outbox(self, reply_to: str) -> list:
@@ -446,7 +447,7 @@ class Tokenizer(Actor):
                 m.Finished(hand.generate.request_id, m.FinishReason.ERROR),
             ))
         self._deliver()
-        self._carry = self.unhandled[1:]  # [0] is the output that crashed
+        self._carry = self.unhandled[self.handling + 1:]  # the one at `handling` crashed
         # long prompts cut off mid-tokenizing did nothing wrong: the next incarnation redoes them
         self._carry_encodes = [held.encode for held in self.tokenizing.values()]
         log.error("tokenizer crashed", error=repr(exc),
