@@ -160,7 +160,7 @@ class UsageLog(Actor):
             log.info("request ended", request_id=rec.request_id,
                      client_request_id=rec.client_request_id,
                      tenant=clip(rec.tenant, self.limits), reason=rec.finish_reason,
-                     **dataclasses.asdict(rec.sums), ttft=rec.timings.ttft,
+                     **vars(rec.sums), ttft=rec.timings.ttft,
                      queue=rec.timings.queue, prefill=rec.timings.prefill,
                      tpot=rec.timings.tpot, e2e=rec.timings.e2e)
             if self.file is not None:
