@@ -5,11 +5,11 @@ end by length. It exists to measure what the daemon itself costs per token (sock
 scheduling, detokenizing, streaming); its output means nothing. It stands in for the worker
 process and speaks its protocol: it reads each plan's bytes and answers with a result's bytes
 in the worker's encoding, so the Scheduler's side of a step is the same with either executor.
-It reads and writes the compact forms without building the plan's and result's objects: that
-work is the worker process's, not the daemon's, and charging it to the daemon would
-overstate what serving costs. Asked for the
-worker's state (`WorkerQuery`) it answers with the facts it was configured with. The test
-fault `InjectOutOfMemory` makes it answer the next plan as a worker out of memory would.
+It reads and writes their compact forms without building the plan's and result's objects:
+that work is the worker process's, and charging it to the daemon would overstate what
+serving costs. Asked for the worker's state (`WorkerQuery`) it answers with the facts it was
+configured with. The test fault `InjectOutOfMemory` makes it answer the next plan as a
+worker out of memory would.
 """
 
 from __future__ import annotations
