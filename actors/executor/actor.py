@@ -282,7 +282,8 @@ class Executor(Actor):
             dtype, kv_dtype, num_blocks = facts.dtype, facts.kv_dtype, facts.num_blocks
         cmd = [sys.executable, "-m", "sluice.actors.executor.worker", "--endpoint", endpoint,
                "--dtype", dtype, "--kv-dtype", kv_dtype,
-               "--device", spec.device, "--block-size", str(spec.block_size)]
+               "--device", spec.device, "--block-size", str(spec.block_size),
+               "--parent-pid", str(os.getpid())]
         if spec.model is not None:
             cmd += ["--model", str(spec.model)]
         if num_blocks is not None:

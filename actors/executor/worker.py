@@ -165,6 +165,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cpus", default=None, metavar="N,N,...",
                         help="run on these CPUs only; --threads defaults to their number")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="the daemon's pid: exit at once if it is gone before this starts")
     parser.add_argument("--debug-fail-token", type=int, default=None,
                         help="a test fault: fail every step that computes this token id")
     parser.add_argument("--debug-fail-start-if", default=None, metavar="PATH",
@@ -192,13 +194,17 @@ def _log_to_stderr() -> None:
 PARENT_CHECK_SECONDS = 0.5
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Exit when the daemon goes away, even mid-load or inside a step that never returns: a
     thread polls the parent pid, since a main thread stuck in native code never reaches a
     check of its own. (Not prctl's PR_SET_PDEATHSIG: it fires when the parent *thread* that
     spawned us exits, and trio spawns processes from its worker threads, which end when
-    idle.)"""
-    parent = os.getppid()
+    idle.) `parent` is the daemon's pid as it said: one that died while this process was
+    starting left it adopted already, and the adoptive parent would be watched for good."""
+    if parent is None:
+        parent = os.getppid()
+    if os.getppid() != parent:
+        os._exit(0)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -215,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         cpus = {int(c) for c in args.cpus.split(",")}
         os.sched_setaffinity(0, cpus)  # before any thread starts: each inherits it
         threads = threads or len(cpus)
-    die_with_parent()
+    die_with_parent(args.parent_pid)
     if args.debug_fail_start_if and os.path.exists(args.debug_fail_start_if):
         print("sluice-worker: test fault: refusing to start", file=sys.stderr)
         return 3

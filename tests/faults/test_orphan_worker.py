@@ -5,6 +5,8 @@ a restarted daemon would start a second one beside it."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -63,3 +65,18 @@ async def test_a_worker_stuck_in_a_step_dies_when_the_daemon_is_killed(
     if not _gone(worker):
         os.kill(worker, 9)  # do not leave it to the next test
         pytest.fail(f"worker {worker} outlived its killed daemon by 10 s")
+
+
+def test_a_worker_whose_daemon_died_while_it_started_exits_at_once(tmp_path) -> None:
+    # A daemon killed right after it spawned a worker leaves the worker adopted before it
+    # looks at its parent: told the daemon's pid, it sees that parent gone, not a live one.
+    gone_daemon = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone_daemon.wait()
+    started = time.monotonic()
+    worker = subprocess.run(
+        [sys.executable, "-m", "sluice.actors.executor.worker",
+         "--endpoint", f"ipc://{tmp_path}/never.sock", "--parent-pid", str(gone_daemon.pid)],
+        timeout=60, capture_output=True)
+    assert worker.returncode == 0, worker.stderr.decode()
+    assert time.monotonic() - started < 30  # it did not load a model first
+    assert b"model" not in worker.stderr  # nor log a single line of its start
