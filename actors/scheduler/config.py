@@ -25,7 +25,7 @@ class TenantConfig:
     """What one tenant may use. `None` means no limit of that kind."""
 
     weight: float = 1.0  # share in the fair policy, relative to other tenants
-    max_running: int | None = None  # requests holding KV at once
+    max_running: int | None = None  # requests holding KV at once, paused ones included
     max_queued: int | None = None  # requests waiting for admission at once
     max_context: int | None = None  # prompt + max_tokens of one request
     max_new_tokens: int | None = None  # max_tokens of one request

@@ -75,10 +75,11 @@ def check_invariants(table: RequestTable, kv_cache: KVCacheManager, ledger: Tena
             problems.append(f"{rid} waits in the queue while holding {len(blocks)} blocks")
         if (rid in prefilling) != (state is RequestState.PREFILLING):
             problems.append(f"{rid} ({state.value}) prefilling table mismatch")
-        counts = actual.setdefault(request.tenant, [0, 0, 0])
+        counts = actual.setdefault(request.tenant, [0, 0, 0, 0])
         counts[0] += 1
         counts[1] += request.in_queue
         counts[2] += rid in running
+        counts[3] += rid in paused
     for table_name, table in (("running", running), ("paused", paused), ("prefilling", prefilling)):
         problems += [
             f"{rid} is in {table_name} but not live" for rid in table if rid not in requests

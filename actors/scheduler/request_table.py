@@ -2,9 +2,9 @@
 
 A live request is in exactly one place that matches its state: the wait queue (waiting or
 preempted), `running` (prefilling or decoding; `prefilling` is its prefilling subset) or
-`paused`. Each move here changes the place, the state and the tenant ledger's waiting and
-running counters together, so they cannot drift apart. Ended requests leave the table and are
-kept a while in `recently_ended` for inspection. Which move happens when, and what happens to
+`paused`. Each move here changes the place, the state and the tenant ledger's waiting,
+running and paused counters together, so they cannot drift apart. Ended requests leave the
+table and are kept a while in `recently_ended` for inspection. Which move happens when, and what happens to
 a request's KV, is the scheduler's (`scheduler.py`).
 """
 
@@ -55,7 +55,8 @@ class RequestTable:
             self.waiting.remove(request)
             self.ledger.count_waiting(request.tenant, -1)
         elif request.state is PAUSED:
-            self.paused.pop(rid, None)
+            if self.paused.pop(rid, None) is not None:
+                self.ledger.count_paused(request.tenant, -1)
         elif rid in self.running:
             del self.running[rid]
             self.prefilling.pop(rid, None)
@@ -87,11 +88,13 @@ class RequestTable:
         request.resume_state = request.state
         request.state = PAUSED
         self.paused[request.request_id] = request
+        self.ledger.count_paused(request.tenant, 1)
 
     def resume(self, request: Request) -> None:
         """Back to the place it was paused from; a request preempted meanwhile queues."""
         rid = request.request_id
         del self.paused[rid]
+        self.ledger.count_paused(request.tenant, -1)
         state = request.resume_state or WAITING
         request.resume_state = None
         request.state = state

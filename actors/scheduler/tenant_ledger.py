@@ -62,6 +62,9 @@ class TenantState:
     live: int = 0  # requests not ended (waiting, running, paused or preempted)
     waiting: int = 0
     running: int = 0  # requests holding KV (prefilling or decoding), not counting paused
+    # paused ones (their client stopped reading): they keep their place under `max_running`,
+    # so a client that stops reading does not free a slot for another of its requests
+    paused: int = 0
     # prompt tokens and max_tokens of its requests that wait for their first admission (what
     # its token buckets must still pay for)
     queued_input: int = 0
@@ -168,7 +171,7 @@ class TenantLedger:
         """Whether `request`, its tenant's next in line, may be admitted now: within the
         tenant's running cap and, for a first admission, its token buckets."""
         limit = tenant.config.max_running
-        if limit is not None and tenant.running >= limit:
+        if limit is not None and tenant.running + tenant.paused >= limit:
             return False
         if request.rate_charged or request.tenant not in self.rates.buckets:
             return True  # the common case: no clock read on the scheduler's iteration
@@ -237,6 +240,9 @@ class TenantLedger:
     def count_running(self, name: str, change: int) -> None:
         self.tenants[name].running += change
 
+    def count_paused(self, name: str, change: int) -> None:
+        self.tenants[name].paused += change
+
     def count_rejection(self, name: object) -> None:
         """Per tenant only for tenants already on the books: counting rejections of invented
         names would let a client grow this table with names it never gets to use."""
@@ -291,15 +297,17 @@ class TenantLedger:
         return total
 
     def counter_problems(self, actual: dict[str, list[int]]) -> list[str]:
-        """How the counters disagree with `actual` (tenant -> [live, waiting, running])."""
+        """How the counters disagree with `actual` (tenant -> [live, waiting, running,
+        paused])."""
         problems = []
         for name in set(actual) | set(self.tenants):
             tenant = self.tenants.get(name)
-            counted = [tenant.live, tenant.waiting, tenant.running] if tenant else [0, 0, 0]
-            if counted != actual.get(name, [0, 0, 0]) or (tenant and not tenant.live):
+            counted = ([tenant.live, tenant.waiting, tenant.running, tenant.paused] if tenant
+                       else [0, 0, 0, 0])
+            if counted != actual.get(name, [0, 0, 0, 0]) or (tenant and not tenant.live):
                 problems.append(
-                    f"tenant {name}: counters live/waiting/running {counted}, "
-                    f"actual {actual.get(name, [0, 0, 0])} (an idle tenant keeps no state)"
+                    f"tenant {name}: counters live/waiting/running/paused {counted}, "
+                    f"actual {actual.get(name, [0, 0, 0, 0])} (an idle tenant keeps no state)"
                 )
         return problems
 

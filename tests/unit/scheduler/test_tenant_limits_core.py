@@ -196,3 +196,24 @@ def test_limits_are_checked_when_configured(make_sched):
                 {"timeout": float("inf")}, {"max_priority": 1.5}, {"max_kv_blocks": -2}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             TenantConfig(**bad)
+
+
+def test_a_paused_request_keeps_its_place_under_max_running(make_sched):
+    # A client that stops reading pauses its request, which keeps its KV: the tenant's cap on
+    # requests holding KV must not let another of its requests in beside it.
+    sched = make_sched(tenants={"one": TenantConfig(max_running=1)}, max_running=8)
+    sched.add_request(req("first", max_tokens=50, tenant="one", first=100))
+    step(sched)
+    assert sched.get_request("first").state is RequestState.DECODING
+    sched.pause("first")
+    sched.add_request(req("second", max_tokens=50, tenant="one", first=200))
+    for _ in range(5):
+        step(sched)
+    assert sched.get_request("second").state is RequestState.WAITING
+    assert sched.get_request("first").block_ids  # paused, holding its KV
+    sched.resume("first")
+    sched.abort("first")
+    step(sched)
+    assert sched.get_request("second").state in (RequestState.PREFILLING,
+                                                 RequestState.DECODING)
+    sched.check_invariants()
