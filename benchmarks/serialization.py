@@ -115,19 +115,22 @@ def _instrument() -> None:
 
     codec.encode, codec.decode = counted_encode, counted_decode
 
-    def as_worker_protocol(original, op):
-        def counted(first, second):
-            cls = first if isinstance(first, type) else second
-            _hop(cls.__name__, op, "worker protocol")
+    def as_worker_protocol(original, op, kind_of):
+        """`original`, counted once as the worker protocol's pass (its inner codec calls not)."""
+        def counted(*args, **kwargs):
+            _hop(kind_of(args), op, "worker protocol")
             inside_worker_protocol[0] += 1
             try:
-                return original(first, second)
+                return original(*args, **kwargs)
             finally:
                 inside_worker_protocol[0] -= 1
         return counted
 
-    codec.encode_compact = as_worker_protocol(codec.encode_compact, "encode")
-    codec.decode_compact = as_worker_protocol(codec.decode_compact, "decode")
+    # the null executor's compact forms: (cls, plain) to encode, (frame, cls) to decode
+    codec.encode_compact = as_worker_protocol(codec.encode_compact, "encode",
+                                              lambda args: args[0].__name__)
+    codec.decode_compact = as_worker_protocol(codec.decode_compact, "decode",
+                                              lambda args: args[1].__name__)
 
     envelope = Codec.envelope
 
@@ -141,14 +144,7 @@ def _instrument() -> None:
     for name in [n for n in vars(worker) if n.startswith(("encode_", "decode_"))]:
         original = getattr(worker, name)
         kind = "StepResult" if name.endswith("result") else "StepPlan"
-
-        def counted(*args, _original=original, _kind=kind, _op=name.split("_")[0], **kwargs):
-            _hop(_kind, _op, "worker protocol")
-            inside_worker_protocol[0] += 1
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                inside_worker_protocol[0] -= 1
+        counted = as_worker_protocol(original, name.split("_")[0], lambda args, _kind=kind: _kind)
 
         for module in list(sys.modules.values()):
             if module is not None and getattr(module, name, None) is original:

@@ -156,7 +156,7 @@ class GGUFFile:
             np_shape = quant_shape_to_byte_shape(np_shape, qtype)
         begin = start + offset
         end = begin + items * np.dtype(item).itemsize
-        if begin > len(self._map) or end > len(self._map):
+        if end > len(self._map):  # begin <= end
             raise ValueError(f"tensor {name!r} ends past the end of the file")
         data = self._map[begin:end].view(item).reshape(np_shape)
         return GGUFTensor(name, qtype, shape, np.asarray(data))
