@@ -1,15 +1,21 @@
 """The HTTP actor: an OpenAI-compatible front door beside the ZeroMQ gateway.
 
 hypercorn's trio worker serves a small ASGI app in this actor's nursery; the HTTP parsing,
-keep-alive and header limits are hypercorn's. Each HTTP request is its own stream: a Stream
-actor (the one ZeroMQ connections get, supervised as transient) whose client messages are
-handed to the request's response over an in-process channel instead of a socket
-(`DeliverSink`). So credits, watermarks, the pause timeout, the one terminal message and the
-release of everything on a vanished client are the Stream's, unchanged: the response gives
-chunks' credits back once their bytes were handed to hypercorn (whose `send` waits while the
-socket is full), so a client that stops reading is paused and then timed out like a slow
-ZeroMQ client, and one that disconnects sends its stream `ClientGone`, which cancels the
-request and frees its KV.
+keep-alive and header limits are hypercorn's. Each HTTP request is its own stream of the one
+Stream actor the front keeps for all of them (the actor ZeroMQ connections get, supervised as
+transient, its connection id random and known to no client): a connection's requests each
+have their own credits, watermarks, pause timeout and one terminal message there, so each
+HTTP request is metered exactly as a ZeroMQ client's request is. What the stream says to its
+client is handed, by request id, to that request's response over an in-process channel
+instead of a socket (`ResponseRouter`). The response gives chunks' credits back once their
+bytes were handed to hypercorn (whose `send` waits while the socket is full), so a client
+that stops reading is paused and then timed out like a slow ZeroMQ client, and one that
+disconnects sends the stream its request's `Cancel`, which ends it and frees its KV.
+
+One stream for all, not one per request: a step's tokens reach the front in one message
+instead of one per request, and a request costs no actor, inbox or socket of its own. If that
+stream fails, the requests it holds end with an error (a ZeroMQ connection's would too) and
+the next request opens a new one.
 
 A request body is turned into the same `m.Generate` the gateway decodes
 (`actors.openai_api`), so validation, limits and rejections are the daemon's own; this
@@ -18,7 +24,7 @@ mapped to tenants, never logged), concurrent requests, body bytes and body read 
 `[http]` table), and the mapping of outcomes to statuses. `GET /health` asks the Scheduler.
 
 Asked (`Ask`), it says the address it bound or lists its live streams (for drain and
-reconcile); `Drain`/`EndDrain` make new requests 503 or admit them again. A connection whose
+reconcile) and how many requests it is answering; `Drain`/`EndDrain` make new requests 503 or admit them again. A connection whose
 client reads nothing is dropped by the kernel after `send_timeout` (`TCP_USER_TIMEOUT` on
 the listening socket), since hypercorn's writes cannot be cancelled.
 
@@ -29,7 +35,6 @@ OpenAI shapes (`actors.openai_api`).
 from __future__ import annotations
 
 import hmac
-import itertools
 import math
 import os
 import socket
@@ -94,25 +99,30 @@ class HttpSettings:
                 raise ValueError(f"http.tenants.{tenant}: must be a list of API keys")
 
 
-class DeliverSink:
-    """An HTTP request's stream sink: the typed messages, handed to the request's response.
+class ResponseRouter:
+    """The HTTP stream's sink: what it says about each request, handed to that request's
+    response as the typed messages.
 
-    The stream's edge toward its client, like the socket a ZeroMQ connection's frames go
-    to, so no actor inbox: an in-process channel to the task writing the response. What
-    waits in it is bounded by the request's credits (only chunks need them, and one
-    request has one terminal message)."""
+    The stream's edge toward its clients, like the socket a ZeroMQ connection's frames go
+    to, so no actor inbox: an in-process channel per response. What waits in one is bounded
+    by its request's credits (only chunks need them, and one request has one terminal
+    message). Messages for a request whose response is over are dropped, as a closed
+    socket's would be."""
 
-    def __init__(self, channel: trio.MemorySendChannel):
-        self.channel = channel
+    def __init__(self) -> None:
+        self.routes: dict[str, trio.MemorySendChannel] = {}
 
     def send(self, connection: bytes, messages: list) -> None:
         # heartbeats are for ZeroMQ peers; an HTTP client's liveness is its TCP connection
-        items = tuple(msg for msg in messages if not isinstance(msg, m.Heartbeat))
-        if items:
-            try:
-                self.channel.send_nowait(am.Deliver(items))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the response is over: its client is gone, as a closed socket would be
+        by_request: dict[str, list] = {}
+        for msg in messages:
+            if not isinstance(msg, m.Heartbeat):
+                by_request.setdefault(msg.request_id, []).append(msg)
+        routes = self.routes
+        for request_id, items in by_request.items():
+            channel = routes.get(request_id)
+            if channel is not None:
+                channel.send_nowait(am.Deliver(tuple(items)))
 
 
 class KeyRing:
@@ -156,7 +166,7 @@ class HttpFront(Actor):
     name = "http"
 
     def __init__(self, settings: HttpSettings, *, supervisor: Supervisor,
-                 make_stream: Callable[[bytes, DeliverSink], Stream], scheduler: Outbox,
+                 make_stream: Callable[[bytes, ResponseRouter], Stream], scheduler: Outbox,
                  model_name: str, max_model_len: int, heartbeat_interval: float = 1.0,
                  inbox: Inbox | None = None):
         super().__init__(inbox=inbox)
@@ -172,10 +182,12 @@ class HttpFront(Actor):
         self.draining = False
         # kept across restarts: a stream that outlives a crash still reports its close here
         self.streams: dict[bytes, Stream] = {}
+        self.stream: Stream | None = None  # the one new requests go to; None: open one
+        self.router = ResponseRouter()
+        self._opening = trio.Lock()
         self.active = 0  # HTTP requests being answered
         self.questions = Questions("http-replies")  # the scheduler's answers, for /health
         self.askers = Outboxes()
-        self._request_numbers = itertools.count()
 
     def handlers(self) -> dict[type, Handler]:
         return {
@@ -194,6 +206,7 @@ class HttpFront(Actor):
 
     async def background(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self.questions.take_replies)
+        nursery.start_soon(self._heartbeats)
         binds = await nursery.start(self._serve)
         self.address = binds[0].removeprefix("http://")
         log.info("http listening", address=self.address)
@@ -218,6 +231,8 @@ class HttpFront(Actor):
         stream = self.streams.pop(msg.connection, None)
         if stream is not None:
             stream.inbox.put(am.StreamClosed(msg.connection))  # nothing more is routed to it
+        if stream is self.stream:
+            self.stream = None  # the next request opens another
 
     async def on_drain(self, msg: am.Drain) -> None:
         self.draining = True
@@ -230,7 +245,8 @@ class HttpFront(Actor):
             self.askers.put(msg.reply_to, am.Reply(msg.token, Endpoint(self.address or "")))
         elif isinstance(msg.query, am.ListConnections):
             live = am.Connections(frozenset(self.streams),
-                                 tuple(stream.inbox.address for stream in self.streams.values()))
+                                 tuple(stream.inbox.address for stream in self.streams.values()),
+                                 answering=self.active)
             self.askers.put(msg.reply_to, am.Reply(msg.token, live))
 
     async def on_crash(self, exc: BaseException) -> None:
@@ -347,36 +363,23 @@ class HttpFront(Actor):
 
     async def _generate(self, chat: bool, body: dict, tenant: str, receive: Callable,
                         send: Callable) -> None:
-        connection = os.urandom(12)  # unguessable: no ZeroMQ client can name this connection
+        request_id = os.urandom(12).hex()  # unguessable, and the response's id
         parse = api.chat_request if chat else api.completion_request
-        request = parse(body, request_id=str(next(self._request_numbers)), tenant=tenant,
+        request = parse(body, request_id=request_id, tenant=tenant,
                         credits=self.settings.initial_credits, max_model_len=self.max_model_len)
         if request.model != self.model_name:
             raise api.ApiError(404, f"the model {request.model!r} does not exist; this server "
                                f"serves {self.model_name!r}", type="not_found_error",
                                param="model", code="model_not_found")
-        stream = None
-        started = False
+        stream = await self._open_stream()
         to_response, replies = trio.open_memory_channel(math.inf)
+        self.router.routes[request_id] = to_response
+        exchange = Exchange(request, request_id, stream.inbox, replies, send,
+                            self.settings.retry_after)
         try:
-            try:
-                stream = self.make_stream(connection, DeliverSink(to_response))
-            except zmq.ZMQError as exc:
-                if exc.errno not in RESOURCE_ERRNOS:
-                    raise
-                # out of descriptors: this request is refused, not the daemon
-                raise api.ApiError(429, "the daemon has no file descriptor left for another "
-                                   "request", type="rate_limit_error", code="overloaded",
-                                   retry_after=self.settings.retry_after) from None
-            self.streams[connection] = stream
-            await self.supervisor.start_child(stream, transient=True)
-            started = True
             stream.inbox.put(request.generate)
-            exchange = Exchange(request, connection.hex(), stream.inbox, replies, send,
-                                 self.settings.retry_after)
             refused: api.ApiError | None = None
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._heartbeats, stream.inbox)
                 nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)
                 try:
                     await exchange.run()
@@ -386,15 +389,38 @@ class HttpFront(Actor):
             if refused is not None:
                 raise refused
         finally:
-            # the stream ends; a request still running is cancelled and its KV released
-            if connection in self.streams:
-                self.streams[connection].inbox.put(am.ClientGone(connection))
-            elif stream is not None and not started:
-                stream.close()
+            del self.router.routes[request_id]
             replies.close()
+            if not exchange.ended:  # its client is gone: the request is cancelled, KV freed
+                stream.inbox.put(m.Cancel(request_id))
 
-    async def _heartbeats(self, stream: Outbox) -> None:
-        """Keep the stream's silence timeout from firing while the HTTP client is connected."""
+    async def _open_stream(self) -> Stream:
+        """The stream new requests go to, opened if there is none."""
+        async with self._opening:
+            if self.stream is not None:
+                return self.stream
+            connection = os.urandom(12)
+            try:
+                stream = self.make_stream(connection, self.router)
+            except zmq.ZMQError as exc:
+                if exc.errno not in RESOURCE_ERRNOS:
+                    raise
+                # out of descriptors: this request is refused, not the daemon
+                raise api.ApiError(429, "the daemon has no file descriptor left for another "
+                                   "request", type="rate_limit_error", code="overloaded",
+                                   retry_after=self.settings.retry_after) from None
+            try:
+                await self.supervisor.start_child(stream, transient=True)
+            except BaseException:
+                stream.close()
+                raise
+            self.streams[connection] = stream
+            self.stream = stream
+            return stream
+
+    async def _heartbeats(self) -> None:
+        """Keep the streams' silence timeout from firing while the front is up."""
         while True:
-            stream.put(m.Heartbeat())
+            for stream in self.streams.values():
+                stream.inbox.put(m.Heartbeat())
             await trio.sleep(self.heartbeat_interval)

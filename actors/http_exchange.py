@@ -45,6 +45,7 @@ class Exchange:
         self.logprobs: list[m.TokenLogprobs] = []  # the non-streamed answer's, when asked
         self.text_offset = 0  # where the next streamed token's text starts (completions)
         self.error = ""
+        self.ended = False  # the stream ended the request (finished, or refused it)
         # credits are given back in batches of half the window: the stream never runs dry
         # while a batch fills, and it hears from this response half as often (or less)
         self.credit_batch = max(1, request.generate.credits // 2)
@@ -98,8 +99,10 @@ class Exchange:
         elif isinstance(item, m.Error):
             self.error = item.message
         elif isinstance(item, m.Rejected):
+            self.ended = True
             raise api.rejected_error(item, self.retry_after)
         elif isinstance(item, m.Finished):
+            self.ended = True
             await self._finish(item)
             return True
         return False

@@ -169,9 +169,14 @@ class Daemon:
             if cfg.http.listen is not None:
                 http_inbox = self._inboxes["http"] = Inbox("http")
 
+                # every HTTP request is a request of the front's one stream: its cap is the
+                # front's, with room for requests cancelled whose ends are still on their way
+                http_limits = dataclasses.replace(
+                    cfg.limits, max_requests_per_connection=2 * cfg.http.max_concurrent_requests)
+
                 def make_http_stream(connection: bytes, sink) -> Stream:
                     return Stream(connection, config=cfg.stream, codec=codec, gateway=http_inbox,
-                                  tokenizer=tokenizer_inbox, limits=cfg.limits, sink=sink,
+                                  tokenizer=tokenizer_inbox, limits=http_limits, sink=sink,
                                   usage=usage_inbox)
 
                 self.http = HttpFront(cfg.http, supervisor=self.supervisor,

@@ -348,12 +348,12 @@ async def test_a_client_that_disconnects_cancels_its_request(null_daemon) -> Non
     assert report.requests.running + report.requests.paused == 0
 
 
-async def http_streams(handle) -> int:
-    """Streams the HTTP front holds, asked by message."""
+async def http_requests(handle) -> int:
+    """Requests the HTTP front is answering, asked by message."""
     daemon = handle.daemon
     live = await daemon.questions.ask(daemon.http.inbox, lambda address, token: am.Ask(
         am.ListConnections(), address, token))
-    return len(live.ids)
+    return live.answering
 
 
 async def test_a_reader_that_stops_reading_is_paused_then_timed_out(null_daemon) -> None:
@@ -370,7 +370,7 @@ async def test_a_reader_that_stops_reading_is_paused_then_timed_out(null_daemon)
         assert snapshot.detail.ended.get("timeout") == 1, snapshot.detail.ended
         # the connection itself is dropped too, though the client never closes it
         with trio.fail_after(10):
-            while await http_streams(handle):
+            while await http_requests(handle):
                 await trio.sleep(0.1)
 
 
