@@ -79,7 +79,7 @@ class HttpSettings:
     # request first
     send_timeout: float = 60.0
     retry_after: int = 1  # seconds, in `Retry-After` of 429 and 503
-    initial_credits: int = 4  # chunks a request may have in flight before it writes one
+    initial_credits: int = 16  # chunks a request may have in flight before it writes one
     tenants: dict[str, Any] = field(default_factory=dict)  # tenant -> [API keys]
     # a file of `TENANT KEY` lines; relative: a systemd credential ($CREDENTIALS_DIRECTORY)
     tenant_keys_file: str | None = None

@@ -41,6 +41,7 @@ class Exchange:
         self.created = api.now()
         self.prompt_tokens = 0
         self.started = False  # the SSE response's head was sent
+        self.head = b""  # the first event of a streamed chat, written with the next ones
         self.text: list[str] = []  # the non-streamed answer
         self.logprobs: list[m.TokenLogprobs] = []  # the non-streamed answer's, when asked
         self.text_offset = 0  # where the next streamed token's text starts (completions)
@@ -78,6 +79,10 @@ class Exchange:
                     self.text.append(item.text)
                     self.logprobs.extend(item.logprobs or ())
                 continue
+            if isinstance(item, m.Finished):  # the last events go in the same write
+                self.ended = True
+                await self._finish(item, b"".join(events))
+                return True
             if events:
                 await self._body(b"".join(events))
                 events = []
@@ -91,7 +96,8 @@ class Exchange:
         return False
 
     async def _take(self, item: object) -> bool:
-        """Handle one message of the stream but a chunk; True once the request ended."""
+        """Handle one message of the stream but a chunk or the end; True once the request
+        ended."""
         if isinstance(item, m.Accepted):
             self.prompt_tokens = item.prompt_tokens
             if self.request.stream:
@@ -101,10 +107,6 @@ class Exchange:
         elif isinstance(item, m.Rejected):
             self.ended = True
             raise api.rejected_error(item, self.retry_after)
-        elif isinstance(item, m.Finished):
-            self.ended = True
-            await self._finish(item)
-            return True
         return False
 
     def _chunk_event(self, chunk: m.Chunk) -> bytes:
@@ -124,20 +126,23 @@ class Exchange:
         self.started = True
         await self.send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-        if self.request.chat:  # OpenAI's first delta names the role
-            await self._body(api.stream_event(self.request, self.request_id, self.created,
-                                              "", None, first=True))
+        if self.request.chat:  # OpenAI's first delta names the role; sent with what follows
+            self.head = api.stream_event(self.request, self.request_id, self.created, "", None,
+                                         first=True)
 
     async def _body(self, data: bytes, more: bool = True) -> None:
+        if self.head:  # each write is a send of its own on the socket: the role rides along
+            data, self.head = self.head + data, b""
         await self.send({"type": "http.response.body", "body": data, "more_body": more})
 
-    async def _finish(self, finished: m.Finished) -> None:
+    async def _finish(self, finished: m.Finished, pending: bytes = b"") -> None:
+        """Answer the request's end; `pending` are streamed events not written yet."""
         reason = finished.reason
         if reason not in (m.FinishReason.STOP, m.FinishReason.LENGTH):
             error = api.ended_error(reason, self.error)
             if not self.started:
                 raise error
-            await self._body(api.sse(error.body()), more=False)
+            await self._body(pending + api.sse(error.body()), more=False)
             return
         used = api.usage(self.prompt_tokens, finished)
         finish = api.finish_reason(reason)
@@ -146,7 +151,8 @@ class Exchange:
                 self.request, self.request_id, self.created, "".join(self.text), finish, used,
                 api.logprobs_body(self.request, self.logprobs)))
             return
-        events = api.stream_event(self.request, self.request_id, self.created, None, finish)
+        events = pending + api.stream_event(self.request, self.request_id, self.created, None,
+                                            finish)
         if self.request.include_usage:
             events += api.stream_event(self.request, self.request_id, self.created, None, None,
                                        used=used)
