@@ -222,7 +222,7 @@ class Gateway(Actor):
         if isinstance(msg.query, am.ListConnections):
             live = am.Connections(frozenset(self.streams),
                                  tuple(stream.inbox.address for stream in self.streams.values()),
-                                 self.peers.stats())
+                                 stats=self.peers.stats())
             self.askers.put(msg.reply_to, am.Reply(msg.token, live))
         elif isinstance(msg.query, EndpointQuery):
             self.askers.put(msg.reply_to, am.Reply(msg.token, Endpoint(self.address)))

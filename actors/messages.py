@@ -273,9 +273,9 @@ class ListConnections:
 class Connections:
     ids: frozenset[bytes]
     streams: tuple[str, ...] = ()  # their Stream actors' inboxes, for drain to ask (`Holding`)
+    stats: GatewayStats = GatewayStats()  # the gateway's counters, for status reports
     # requests being answered, from a front whose requests share a stream (HTTP's)
     answering: int = 0
-    stats: GatewayStats = GatewayStats()  # the gateway's counters, for status reports
 
 
 @dataclass(frozen=True)
