@@ -6,8 +6,8 @@ Stream actor the front keeps for all of them (the actor ZeroMQ connections get, 
 transient, its connection id random and known to no client): a connection's requests each
 have their own credits, watermarks, pause timeout and one terminal message there, so each
 HTTP request is metered exactly as a ZeroMQ client's request is. What the stream says to its
-client is handed, by request id, to that request's response over an in-process channel
-instead of a socket (`ResponseRouter`). The response gives chunks' credits back once their
+client is handed, by request id, to that request's response in process instead of over a
+socket (`ResponseRouter`, `Replies`). The response gives chunks' credits back once their
 bytes were handed to hypercorn (whose `send` waits while the socket is full), so a client
 that stops reading is paused and then timed out like a slow ZeroMQ client, and one that
 disconnects sends the stream its request's `Cancel`, which ends it and frees its KV.
@@ -35,7 +35,6 @@ OpenAI shapes (`actors.openai_api`).
 from __future__ import annotations
 
 import hmac
-import math
 import os
 import socket
 from collections.abc import Callable
@@ -53,7 +52,7 @@ from sluice.actors import openai_api as api
 from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.control import Questions
 from sluice.actors.http_exchange import (
-    Exchange, header, send_error, send_json, send_text, serve_lifespan, server_log,
+    Exchange, Replies, header, send_error, send_json, send_text, serve_lifespan, server_log,
     watch_disconnect,
 )  # fmt: skip
 from sluice.actors.reports import Endpoint, EndpointQuery
@@ -101,28 +100,22 @@ class HttpSettings:
 
 class ResponseRouter:
     """The HTTP stream's sink: what it says about each request, handed to that request's
-    response as the typed messages.
+    response (its `Replies`) as the typed messages.
 
     The stream's edge toward its clients, like the socket a ZeroMQ connection's frames go
-    to, so no actor inbox: an in-process channel per response. What waits in one is bounded
-    by its request's credits (only chunks need them, and one request has one terminal
-    message). Messages for a request whose response is over are dropped, as a closed
-    socket's would be."""
+    to, so no actor inbox. What waits for one response is bounded by its request's credits
+    (only chunks need them, and one request has one terminal message). Messages for a
+    request whose response is over are dropped, as a closed socket's would be."""
 
     def __init__(self) -> None:
-        self.routes: dict[str, trio.MemorySendChannel] = {}
+        self.routes: dict[str, Replies] = {}
 
     def send(self, connection: bytes, messages: list) -> None:
-        # heartbeats are for ZeroMQ peers; an HTTP client's liveness is its TCP connection
-        by_request: dict[str, list] = {}
-        for msg in messages:
-            if not isinstance(msg, m.Heartbeat):
-                by_request.setdefault(msg.request_id, []).append(msg)
         routes = self.routes
-        for request_id, items in by_request.items():
-            channel = routes.get(request_id)
-            if channel is not None:
-                channel.send_nowait(am.Deliver(tuple(items)))
+        for msg in messages:
+            # heartbeats are for ZeroMQ peers; an HTTP client's liveness is its TCP connection
+            if type(msg) is not m.Heartbeat and (replies := routes.get(msg.request_id)):
+                replies.put(msg)
 
 
 class KeyRing:
@@ -372,8 +365,7 @@ class HttpFront(Actor):
                                f"serves {self.model_name!r}", type="not_found_error",
                                param="model", code="model_not_found")
         stream = await self._open_stream()
-        to_response, replies = trio.open_memory_channel(math.inf)
-        self.router.routes[request_id] = to_response
+        replies = self.router.routes[request_id] = Replies()
         exchange = Exchange(request, request_id, stream.inbox, replies, send,
                             self.settings.retry_after)
         try:
@@ -390,7 +382,6 @@ class HttpFront(Actor):
                 raise refused
         finally:
             del self.router.routes[request_id]
-            replies.close()
             if not exchange.ended:  # its client is gone: the request is cancelled, KV freed
                 stream.inbox.put(m.Cancel(request_id))
 

@@ -25,13 +25,47 @@ from sluice.actors.base import Outbox
 from sluice.ipc import messages as m
 
 _JSON = (b"content-type", b"application/json")
+# turns a response lets the event loop take before it writes what it was handed. Idle, a turn
+# costs microseconds and the write goes at once; under load, the tasks that run meanwhile
+# bring the next steps' tokens, which join the same write. Each write is a socket send and
+# hypercorn's work around it, the largest cost of a streamed token; at 64 streams on the
+# null executor three turns gave ~1.3x the tokens/s and lower TPOT than writing at once.
+_TURNS_BEFORE_WRITE = 3
+
+
+class Replies:
+    """What a request's stream said to its response and the response has not taken yet.
+
+    One writer (the stream's sink) and one reader (the response), in one thread: a list
+    taken whole, and an event while the response waits. What arrives while the response
+    lets the loop take its turns (`_TURNS_BEFORE_WRITE`) is taken with the rest."""
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._wake: trio.Event | None = None
+
+    def put(self, msg: object) -> None:
+        self._items.append(msg)
+        if self._wake is not None:
+            self._wake.set()
+
+    async def take(self) -> list:
+        """Everything waiting, once there is something."""
+        while not self._items:
+            self._wake = trio.Event()
+            await self._wake.wait()
+        self._wake = None
+        for _ in range(_TURNS_BEFORE_WRITE):
+            await trio.lowlevel.checkpoint()
+        items, self._items = self._items, []
+        return items
 
 
 class Exchange:
     """One request's answer: the stream's messages in, the HTTP response out."""
 
     def __init__(self, request: api.ApiRequest, request_id: str, stream: Outbox,
-                 replies: trio.MemoryReceiveChannel, send: Callable, retry_after: int):
+                 replies: Replies, send: Callable, retry_after: int):
         self.request = request
         self.request_id = request_id
         self.stream = stream
@@ -54,14 +88,8 @@ class Exchange:
         self.delta_event = api.DeltaEvents(request, request_id, self.created)
 
     async def run(self) -> None:
-        while True:
-            items = list((await self.replies.receive()).messages)
-            while True:  # what else already waits is answered with it, in one write
-                try:
-                    items.extend(self.replies.receive_nowait().messages)
-                except trio.WouldBlock:
-                    break
-            if await self._take_all(items):
+        while True:  # everything that waits is answered together, in one write
+            if await self._take_all(await self.replies.take()):
                 return
 
     async def _take_all(self, items: list) -> bool:
