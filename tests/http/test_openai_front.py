@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from sluice.actors import messages as am
+from sluice.actors.stream import Stream
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
@@ -354,6 +355,33 @@ async def http_requests(handle) -> int:
     live = await daemon.questions.ask(daemon.http.inbox, lambda address, token: am.Ask(
         am.ListConnections(), address, token))
     return live.answering
+
+
+async def test_a_crash_of_the_front_s_stream_ends_its_requests_and_the_front_serves_on(
+        null_daemon, monkeypatch) -> None:
+    handle = await http_daemon(null_daemon)
+    client = sdk(handle)
+    model = await model_name(client)
+
+    async def crash(self, msg):
+        raise RuntimeError("injected stream fault")
+
+    # the HTTP requests share one Stream actor: a fault in it ends every request it holds
+    monkeypatch.setattr(Stream, "on_cancel", crash)  # a disconnect sends Cancel: it crashes
+    with held_stream(handle, model), held_stream(handle, model) as bystander:
+        await wait_for(handle.control, lambda r: r.requests.running + r.requests.paused == 2)
+        bystander.close()
+        # both end (the other with an error) and hold no block
+        await wait_for(handle.control, lambda r: r.requests.running + r.requests.paused == 0
+                       and r.kv.used_blocks == 0)
+    daemon = handle.daemon
+    assert not any(name.startswith("stream-") for name in daemon.supervisor.restarts)
+    monkeypatch.undo()
+    # a new stream serves the next requests
+    for _ in range(3):
+        answer = await call(client.completions.create, model=model, prompt="hi", max_tokens=4)
+        assert answer.choices[0].finish_reason == "length"
+        assert answer.choices[0].text == " the quick brown fox"
 
 
 async def test_a_reader_that_stops_reading_is_paused_then_timed_out(null_daemon) -> None:
