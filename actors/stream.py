@@ -279,8 +279,9 @@ class Stream(Actor):
 
     async def on_crash(self, exc: BaseException) -> None:
         # the crash is this connection's alone: its requests fail and the stream closes; the
-        # supervisor restarts it closed, so it refuses what is still routed to it, then ends
-        self.outgoing = []  # half-built output of the crashed handling
+        # supervisor restarts it closed, so it refuses what is still routed to it, then ends.
+        # What the crashed handling made is sent: each message matches state it changed (a
+        # request whose Finished is there is gone from `requests`, and would get no other)
         self._fail_requests(f"stream failed: {type(exc).__name__}")
         self.after_message()
         self._close("crashed", release=False)
@@ -362,8 +363,9 @@ class Stream(Actor):
             self._send(chunk)
             request.buffer.clear()
         if request.finished is not None and not request.buffer:
-            del self.requests[request.client_id]
-            self._send(self._ended(request, request.finished))
+            finished = self._ended(request, request.finished)
+            del self.requests[request.client_id]  # only with its Finished made
+            self._send(finished)
             return
         self._apply_watermarks(request)
 

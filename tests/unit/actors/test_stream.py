@@ -11,6 +11,7 @@ import trio.testing
 from sluice.actors import messages as am
 from sluice.actors.base import Inbox
 from sluice.actors.stream import Stream, StreamConfig
+from sluice.actors.supervisor import Supervisor
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
 
@@ -163,3 +164,30 @@ async def test_generate_and_cancel_leave_in_order_on_one_route(autojump_clock, n
     encode, release = drain(h.tokenizer)
     assert isinstance(encode, am.Encode)
     assert release == am.Release((encode.request_id,), m.FinishReason.CANCELLED)
+
+
+async def test_a_crash_mid_message_still_sends_the_ends_made_before_it(autojump_clock) -> None:
+    class FaultyStream(Stream):
+        def _apply_watermarks(self, request) -> None:
+            if request.client_id == "b":
+                raise RuntimeError("injected stream fault")
+            super()._apply_watermarks(request)
+
+    gateway, tokenizer = Inbox("g"), Inbox("t")
+    stream = FaultyStream(b"conn", config=CONFIG, codec=Codec(), gateway=gateway,
+                          tokenizer=tokenizer)
+    supervisor = Supervisor()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run, [])
+        await supervisor.start_child(stream, transient=True)
+        stream.inbox.put(m.Generate("a", prompt="x", credits=1))
+        stream.inbox.put(m.Generate("b", prompt="x", credits=0))
+        await trio.testing.wait_all_tasks_blocked()
+        drain(tokenizer)
+        # a ends; then b's chunk, waiting for a credit, crashes the stream
+        stream.inbox.put(am.Deliver((m.Finished("a", m.FinishReason.LENGTH), chunk("t", 1, "b"))))
+        await trio.sleep(1)
+        ends = {msg.request_id: msg.reason for msg in sent_to_client(gateway)
+                if isinstance(msg, m.Finished)}
+        assert ends == {"a": m.FinishReason.LENGTH, "b": m.FinishReason.ERROR}
+        nursery.cancel_scope.cancel()
