@@ -1,11 +1,11 @@
 """One HTTP generation's answer, and the ASGI responses the HTTP front and the metrics port
 send.
 
-`Exchange` turns the typed messages a request's Stream hands over (`Accepted`, `Chunk`,
-`Error`, `Finished`, or a `Rejected`) into the HTTP response: a completion object, or
-server-sent events written as they come (what waits together in one write), the chunks'
-credits given back in batches once hypercorn took their bytes. The rest are small helpers
-over ASGI's `send`.
+`Exchange` turns the typed messages the front's Stream hands a request (`Accepted`, `Chunk`,
+`Error`, `Finished`, or a `Rejected`, through its `Replies`) into the HTTP response: a
+completion object, or server-sent events written as they come (what waits together, after a
+few turns of the event loop, in one write), the chunks' credits given back in batches once
+hypercorn took their bytes. The rest are small helpers over ASGI's `send`.
 
 What does not belong here: routing, limits, keys and streams (`actors.http`), the OpenAI
 shapes themselves (`actors.openai_api`).
