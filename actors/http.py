@@ -24,9 +24,10 @@ mapped to tenants, never logged), concurrent requests, body bytes and body read 
 `[http]` table), and the mapping of outcomes to statuses. `GET /health` asks the Scheduler.
 
 Asked (`Ask`), it says the address it bound or lists its live streams (for drain and
-reconcile) and how many requests it is answering; `Drain`/`EndDrain` make new requests 503 or admit them again. A connection whose
-client reads nothing is dropped by the kernel after `send_timeout` (`TCP_USER_TIMEOUT` on
-the listening socket), since hypercorn's writes cannot be cancelled.
+reconcile) and how many requests it is answering; `Drain`/`EndDrain` make new requests 503
+or admit them again. A connection whose client reads nothing is dropped by the kernel after
+`send_timeout` (`TCP_USER_TIMEOUT` on the listening socket), since hypercorn's writes cannot
+be cancelled.
 
 What does not belong here: the response of one generation (`actors.http_exchange`), the
 OpenAI shapes (`actors.openai_api`).
@@ -365,9 +366,10 @@ class HttpFront(Actor):
                                f"serves {self.model_name!r}", type="not_found_error",
                                param="model", code="model_not_found")
         stream = await self._open_stream()
-        replies = self.router.routes[request_id] = Replies()
+        replies = Replies()
         exchange = Exchange(request, request_id, stream.inbox, replies, send,
                             self.settings.retry_after)
+        self.router.routes[request_id] = replies  # removed below, however the exchange ends
         try:
             stream.inbox.put(request.generate)
             refused: api.ApiError | None = None
