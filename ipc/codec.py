@@ -118,7 +118,16 @@ def _tuple_of(inner: _Check) -> _Check:
     def check(value: Any, path: str) -> tuple:
         if type(value) is not list:
             raise _FieldError(path, f"expected a list, got {_type_name(value)}")
-        return tuple(inner(item, f"{path}[{i}]") for i, item in enumerate(value))
+        if inner is _check_int:  # token ids: the one long list on the hot path
+            if all(type(item) is int for item in value):
+                return tuple(value)
+        else:
+            try:
+                return tuple([inner(item, path) for item in value])
+            except _FieldError:
+                pass
+        # an item failed: check again with each item's path, so the error names it
+        return tuple([inner(item, f"{path}[{i}]") for i, item in enumerate(value)])
 
     return check
 
@@ -150,6 +159,13 @@ class _Schema:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         )
         self.checks: dict[str, _Check] = {f.name: _compile(hints[f.name]) for f in self.fields}
+        self.defaults = {f.name: f.default for f in self.fields
+                         if f.default is not dataclasses.MISSING}
+        self.factories = {f.name: f.default_factory for f in self.fields
+                          if f.default_factory is not dataclasses.MISSING}
+        # a class that checks its own values when built (`SamplingParams`) is built by its
+        # `__init__`; the others are filled directly (`decode`)
+        self.post_init = hasattr(cls, "__post_init__") or getattr(cls, "__slots__", None)
         self.nested = {
             f.name: _nested_encoder(hints[f.name])
             for f in self.fields
@@ -165,20 +181,38 @@ class _Schema:
     def decode(self, body: Any, path: str) -> Any:
         if type(body) is not dict:
             raise _FieldError(path or "body", f"expected a map, got {_type_name(body)}")
+        checks = self.checks
         prefix = f"{path}." if path else ""
-        for key in body:
-            if key not in self.checks:
-                # an empty key is named by its quotes: a bare "" would name no field at all
-                label = key if isinstance(key, str) and key else repr(key)
-                raise _FieldError(f"{prefix}{label}", f"unknown field for {self.cls.__name__}")
-        for name in self.required:
-            if name not in body:
-                raise _FieldError(f"{prefix}{name}", "missing required field")
-        values = {name: self.checks[name](value, prefix + name) for name, value in body.items()}
-        try:
-            return self.cls(**values)
-        except InvalidParams as exc:  # the value's own range check
-            raise _FieldError(f"{prefix}{exc.field}", exc.message) from None
+        if not body.keys() <= checks.keys():
+            for key in body:
+                if key not in checks:
+                    # an empty key is named by its quotes: a bare "" would name no field
+                    label = key if isinstance(key, str) and key else repr(key)
+                    raise _FieldError(f"{prefix}{label}",
+                                      f"unknown field for {self.cls.__name__}")
+        if not self.required <= body.keys():
+            for name in self.names:
+                if name in self.required and name not in body:
+                    raise _FieldError(f"{prefix}{name}", "missing required field")
+        if path:
+            values = {name: checks[name](value, prefix + name) for name, value in body.items()}
+        else:  # a message's own fields: each path is the field's name
+            values = {name: checks[name](value, name) for name, value in body.items()}
+        if self.post_init:
+            try:
+                return self.cls(**values)
+            except InvalidParams as exc:  # the value's own range check
+                raise _FieldError(f"{prefix}{exc.field}", exc.message) from None
+        # every value is checked and the class checks nothing more: fill the fields as
+        # `__init__` would, without its per-field `object.__setattr__` (frozen classes)
+        obj = object.__new__(self.cls)
+        fields = obj.__dict__
+        if len(values) < len(self.names):
+            fields.update(self.defaults)
+            for name, factory in self.factories.items():
+                fields[name] = factory()
+        fields.update(values)
+        return obj
 
 
 _SCHEMAS: dict[type, _Schema] = {}
