@@ -17,6 +17,10 @@ without ever yielding to trio: one client that does not read would freeze the da
 `PeerFull` and the caller deals with that peer (the gateway forgets it). Sends on other socket
 types wait for room, yielding on every retry.
 
+The `_nowait` forms (`recv_multipart_nowait`, `recv_with_user_nowait`, a ROUTER's
+`route_nowait`) do the same without waiting and without a checkpoint, for a task that takes
+or sends a run of messages in one turn of the event loop and yields on its own schedule.
+
 Cancellation (a timeout) never loses a message: an operation checks for it before it
 touches the socket, and once a message is taken or sent it yields shielded and returns. A
 receive that raises `Cancelled` took nothing; a send that raises sent nothing.
@@ -125,6 +129,16 @@ class Socket:
             await trio.lowlevel.cancel_shielded_checkpoint()  # taken: it must be returned
             return frames
 
+    def recv_multipart_nowait(self) -> list[bytes] | None:
+        """A message that is already here, or None: no wait and no checkpoint, for a reader
+        that takes what queued up behind the message it awaited."""
+        try:
+            frames = self.zmq.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        self._wake_waiter()
+        return frames
+
     async def recv(self) -> bytes:
         return (await self.recv_multipart())[-1]
 
@@ -140,6 +154,15 @@ class Socket:
             self._wake_waiter()
             await trio.lowlevel.cancel_shielded_checkpoint()
             return [bytes(p.buffer) for p in parts], parts[-1].get("User-Id")
+
+    def recv_with_user_nowait(self) -> tuple[list[bytes], str | None] | None:
+        """`recv_with_user` for a message that is already here, or None."""
+        try:
+            parts = self.zmq.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        self._wake_waiter()
+        return [bytes(p.buffer) for p in parts], parts[-1].get("User-Id")
 
     async def send_multipart(self, frames: list[bytes]) -> None:
         """Send one message; on a ROUTER `frames[0]` is the peer, and a full peer raises
@@ -161,6 +184,22 @@ class Socket:
             self._wake_waiter()
             await trio.lowlevel.cancel_shielded_checkpoint()  # sent: say so, whatever the timeout
             return
+
+    def route_nowait(self, frames: list[bytes]) -> None:
+        """`send_multipart` on a ROUTER, whose send never waits, without its checkpoints:
+        for a sender that yields on its own schedule (an actor takes several messages per
+        turn of the loop), so that each send does not cost a turn."""
+        if not self._router:
+            raise TypeError("route_nowait is for ROUTER sockets, whose sends never wait")
+        try:
+            self.zmq.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            raise PeerFull(frames[0]) from None
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EHOSTUNREACH:
+                raise PeerGone(frames[0]) from None
+            raise
+        self._wake_waiter()
 
     async def send(self, frame: bytes) -> None:
         await self.send_multipart([frame])

@@ -110,3 +110,30 @@ async def test_a_send_cut_short_by_a_timeout_is_not_sent() -> None:
         assert scope.cancelled_caught
         await b.send(b"sent")
         assert await a.recv() == b"sent"
+
+
+async def test_the_nowait_forms_take_what_is_there_and_never_wait() -> None:
+    """A reader takes the run of messages that queued up in one go; with none left it gets
+    None at once. A ROUTER's `route_nowait` reaches a live peer and raises for a gone one."""
+    with trio.fail_after(5), Socket(zmq.ROUTER) as router, Socket(zmq.DEALER) as dealer:
+        address = router.bind("tcp://127.0.0.1:0")
+        dealer.connect(address)
+        assert router.recv_multipart_nowait() is None
+        for i in range(5):
+            await dealer.send(b"%d" % i)
+        identity, first = await router.recv_multipart()
+        rest = []
+        while len(rest) < 4:
+            got = router.recv_multipart_nowait()
+            if got is None:  # the others are still on their way through the I/O thread
+                await trio.sleep(0.01)
+                continue
+            rest.append(got)
+        assert [first] + [payload for _, payload in rest] == [b"0", b"1", b"2", b"3", b"4"]
+        assert router.recv_multipart_nowait() is None
+        router.route_nowait([identity, b"back"])
+        assert await dealer.recv() == b"back"
+        with pytest.raises(PeerGone):
+            router.route_nowait([b"nobody", b"hello"])
+        with pytest.raises(TypeError):
+            dealer.route_nowait([b"x"])
