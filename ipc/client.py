@@ -20,11 +20,11 @@ curve_keypair=(public, secret))`.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -35,6 +35,9 @@ from sluice.ipc.codec import Codec, CodecError
 from sluice.ipc.errors import DaemonGone, InvalidRequestError, SluiceError, error_for
 from sluice.ipc.sockets import Socket
 from sluice.ipc.vocabulary import InvalidParams, SamplingParams
+
+
+_FRAMES_PER_TURN = 64  # frames the receive loop routes in one turn of the event loop, at most
 
 
 @dataclass
@@ -50,11 +53,37 @@ class GenerationResult:
     logprobs: list[m.TokenLogprobs] | None = None
 
 
-@dataclass
 class _Pending:
-    send: Any
-    recv: Any
-    first: list = field(default_factory=list)
+    """What the daemon said about one request and its generation has not taken yet.
+
+    One writer (the receive loop) and one reader (the generation), in one thread: a deque,
+    and an event while the reader waits. The daemon's credits bound it."""
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.finished = False  # the request's `Finished` came: nothing more will
+        self.closed = False  # no more will come (the daemon went silent)
+        self._wake: trio.Event | None = None
+
+    def put(self, msg: Any) -> None:
+        self.items.append(msg)
+        if type(msg) is m.Finished:
+            self.finished = True
+        if self._wake is not None:
+            self._wake.set()
+
+    def close(self) -> None:
+        self.closed = True
+        if self._wake is not None:
+            self._wake.set()
+
+    async def wait(self) -> None:
+        """Until something was put, or the pending was closed."""
+        self._wake = trio.Event()
+        try:
+            await self._wake.wait()
+        finally:
+            self._wake = None
 
 
 class AsyncGeneration:
@@ -121,7 +150,8 @@ class AsyncGeneration:
         self._ungranted += 1
         if self._ungranted >= max(1, self._window // 2):
             grant, self._ungranted = self._ungranted, 0
-            await self._client._send(m.Credit(self.request_id, grant))
+            if not self._pending.finished:  # an ended request has no use for credits
+                await self._client._send(m.Credit(self.request_id, grant))
 
     def _finish(self, item: m.Finished) -> None:
         self._result = GenerationResult(
@@ -214,7 +244,7 @@ class AsyncClient:
                          credits=self.credit_window, timeout=timeout)
         frame = self._codec.encode(msg)
         await self._check_frame_size(frame)
-        pending = _Pending(*trio.open_memory_channel[Any](math.inf))  # credits bound it
+        pending = _Pending()
         self._pending[rid] = pending
         await self._send_frame(frame)
         generation = AsyncGeneration(self, rid, self.credit_window, pending)
@@ -225,7 +255,7 @@ class AsyncClient:
         if isinstance(first, m.Accepted):
             generation.prompt_tokens = first.prompt_tokens
         else:  # an Error or Finished before acceptance: the iteration will show it
-            pending.first.append(first)
+            pending.items.appendleft(first)
         return generation
 
     async def status(self) -> m.ServerInfo:
@@ -269,30 +299,39 @@ class AsyncClient:
                           f"{self.daemon_timeout:g}s: is it running there{keys}?")
 
     async def _next_item(self, pending: _Pending) -> Any:
-        if pending.first:
-            return pending.first.pop(0)
-        recv = pending.recv
-        if self._gone is not None and recv.statistics().current_buffer_used == 0:
-            raise self._gone
-        try:
-            return await recv.receive()
-        except trio.EndOfChannel:
-            raise self._gone or DaemonGone("connection closed") from None
+        items = pending.items
+        if items:
+            # what one frame brought is taken without a turn of the loop each; a cancelled
+            # reader still stops here
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return items.popleft()
+        while not items:
+            if pending.closed or self._gone is not None:
+                raise self._gone or DaemonGone("connection closed")
+            await pending.wait()
+        return items.popleft()
 
     def _forget(self, rid: str) -> None:
         self._pending.pop(rid, None)
 
     async def _receive_loop(self) -> None:
+        socket = self._socket
         while True:
-            frames = await self._socket.recv_multipart()
+            frames = await socket.recv_multipart()
             self._last_heard = trio.current_time()
-            for frame in frames:
-                try:
-                    batch = self._codec.decode_batch(frame)  # the daemon batches messages
-                except CodecError:
-                    continue  # not for this protocol version; nothing to route it to
-                for msg in batch:
-                    self._route(msg)
+            # what queued up behind it is routed in the same turn (a bounded number): the
+            # readers then find it waiting instead of a frame per turn of the loop
+            for _ in range(_FRAMES_PER_TURN):
+                for frame in frames:
+                    try:
+                        batch = self._codec.decode_batch(frame)  # the daemon batches messages
+                    except CodecError:
+                        continue  # not for this protocol version; nothing to route it to
+                    for msg in batch:
+                        self._route(msg)
+                frames = socket.recv_multipart_nowait()
+                if frames is None:
+                    break
 
     def _route(self, msg: Any) -> None:
         if isinstance(msg, m.ServerInfo):
@@ -305,12 +344,12 @@ class AsyncClient:
             # the daemon had forgotten this connection (it did not read) and ended its
             # requests; it serves it again from here on
             for rid, pending in list(self._pending.items()):
-                pending.send.send_nowait(m.Error(rid, msg.message))
-                pending.send.send_nowait(m.Finished(rid, m.FinishReason.ERROR))
+                pending.put(m.Error(rid, msg.message))
+                pending.put(m.Finished(rid, m.FinishReason.ERROR))
             return
         pending = self._pending.get(getattr(msg, "request_id", ""))
         if pending is not None:
-            pending.send.send_nowait(msg)
+            pending.put(msg)
 
     async def _heartbeats(self) -> None:
         while True:
@@ -324,7 +363,7 @@ class AsyncClient:
             if self._pending and silent > self.daemon_timeout:
                 self._gone = DaemonGone(f"no word from the daemon for {silent:.1f}s")
                 for pending in list(self._pending.values()):
-                    pending.send.close()
+                    pending.close()
 
 
 class Generation:
