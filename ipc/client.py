@@ -57,33 +57,39 @@ class _Pending:
     """What the daemon said about one request and its generation has not taken yet.
 
     One writer (the receive loop) and one reader (the generation), in one thread: a deque,
-    and an event while the reader waits. The daemon's credits bound it."""
+    and the reader's task parked while it waits (woken with trio's low-level reschedule:
+    an `Event` per wait cost a fifth more per chunk). The daemon's credits bound it."""
 
     def __init__(self) -> None:
         self.items: deque = deque()
         self.finished = False  # the request's `Finished` came: nothing more will
         self.closed = False  # no more will come (the daemon went silent)
-        self._wake: trio.Event | None = None
+        self._reader: trio.lowlevel.Task | None = None  # parked in `wait`
 
     def put(self, msg: Any) -> None:
         self.items.append(msg)
         if type(msg) is m.Finished:
             self.finished = True
-        if self._wake is not None:
-            self._wake.set()
+        self._wake()
 
     def close(self) -> None:
         self.closed = True
-        if self._wake is not None:
-            self._wake.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            trio.lowlevel.reschedule(reader)
 
     async def wait(self) -> None:
         """Until something was put, or the pending was closed."""
-        self._wake = trio.Event()
-        try:
-            await self._wake.wait()
-        finally:
-            self._wake = None
+        self._reader = trio.lowlevel.current_task()
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            self._reader = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
 
 class AsyncGeneration:
