@@ -325,19 +325,23 @@ class AsyncClient:
         while True:
             frames = await socket.recv_multipart()
             self._last_heard = trio.current_time()
+            self._route_frames(frames)
             # what queued up behind it is routed in the same turn (a bounded number): the
             # readers then find it waiting instead of a frame per turn of the loop
-            for _ in range(_FRAMES_PER_TURN):
-                for frame in frames:
-                    try:
-                        batch = self._codec.decode_batch(frame)  # the daemon batches messages
-                    except CodecError:
-                        continue  # not for this protocol version; nothing to route it to
-                    for msg in batch:
-                        self._route(msg)
-                frames = socket.recv_multipart_nowait()
-                if frames is None:
+            for _ in range(_FRAMES_PER_TURN - 1):
+                queued = socket.recv_multipart_nowait()
+                if queued is None:
                     break
+                self._route_frames(queued)
+
+    def _route_frames(self, frames: list[bytes]) -> None:
+        for frame in frames:
+            try:
+                batch = self._codec.decode_batch(frame)  # the daemon batches messages
+            except CodecError:
+                continue  # not for this protocol version; nothing to route it to
+            for msg in batch:
+                self._route(msg)
 
     def _route(self, msg: Any) -> None:
         if isinstance(msg, m.ServerInfo):
