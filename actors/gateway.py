@@ -274,17 +274,17 @@ class Gateway(Actor):
             # of milliseconds under load, before the daemon even saw a request). ZeroMQ
             # queues fairly between peers, so no one peer's flood fills the turn.
             for _ in range(FRAMES_PER_TURN - 1):
-                if self.curve_secret_key is None:
-                    got = self.socket.recv_multipart_nowait()
-                    if got is None:
-                        break
-                    frames, key = got, None
-                else:
-                    got_user = self.socket.recv_with_user_nowait()
-                    if got_user is None:
-                        break
-                    frames, key = got_user
-                await self._take_safely(frames, key)
+                queued = self._queued()
+                if queued is None:
+                    break
+                await self._take_safely(*queued)
+
+    def _queued(self) -> tuple[list[bytes], str | None] | None:
+        """A client frame already on the socket, with its user id (None without CURVE)."""
+        if self.curve_secret_key is not None:
+            return self.socket.recv_with_user_nowait()
+        frames = self.socket.recv_multipart_nowait()
+        return None if frames is None else (frames, None)
 
     async def _take_safely(self, frames: list[bytes], key: str | None) -> None:
         try:

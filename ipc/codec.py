@@ -165,7 +165,7 @@ class _Schema:
                           if f.default_factory is not dataclasses.MISSING}
         # a class that checks its own values when built (`SamplingParams`) is built by its
         # `__init__`; the others are filled directly (`decode`)
-        self.post_init = hasattr(cls, "__post_init__") or getattr(cls, "__slots__", None)
+        self.built_by_init = hasattr(cls, "__post_init__") or hasattr(cls, "__slots__")
         self.nested = {
             f.name: _nested_encoder(hints[f.name])
             for f in self.fields
@@ -198,7 +198,7 @@ class _Schema:
             values = {name: checks[name](value, prefix + name) for name, value in body.items()}
         else:  # a message's own fields: each path is the field's name
             values = {name: checks[name](value, name) for name, value in body.items()}
-        if self.post_init:
+        if self.built_by_init:
             try:
                 return self.cls(**values)
             except InvalidParams as exc:  # the value's own range check
