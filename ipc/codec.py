@@ -166,6 +166,7 @@ class _Schema:
         # a class that checks its own values when built (`SamplingParams`) is built by its
         # `__init__`; the others are filled directly (`decode`)
         self.built_by_init = hasattr(cls, "__post_init__") or hasattr(cls, "__slots__")
+        self.plain_kinds = _plain_kinds(self.fields, hints, self.built_by_init)
         self.nested = {
             f.name: _nested_encoder(hints[f.name])
             for f in self.fields
@@ -173,12 +174,22 @@ class _Schema:
         }
 
     def encode(self, msg: Any) -> dict:
-        body = {name: getattr(msg, name) for name in self.names}
+        body = getattr(msg, "__dict__", None)
+        if body is not None and len(body) == len(self.names):  # the fields alone: copied
+            body = body.copy()
+        else:  # slots, or a cached value beside them (`SamplingParams.plain`) not to send
+            body = {name: getattr(msg, name) for name in self.names}
         for name, encode in self.nested.items():
-            body[name] = encode(body[name])
+            value = body[name]
+            if value is not None:
+                body[name] = encode(value)
         return body
 
     def decode(self, body: Any, path: str) -> Any:
+        if self.plain_kinds is not None and type(body) is dict and len(body) == len(self.names):
+            obj = self._decode_plain(body)
+            if obj is not None:
+                return obj
         if type(body) is not dict:
             raise _FieldError(path or "body", f"expected a map, got {_type_name(body)}")
         checks = self.checks
@@ -213,6 +224,51 @@ class _Schema:
                 fields[name] = factory()
         fields.update(values)
         return obj
+
+
+    def _decode_plain(self, body: dict) -> Any:
+        """The message, when every field is there and holds a plain value of its type (a
+        chunk's id, text and token ids, no logprobs); None sends it down the checking path,
+        which names what is wrong."""
+        values = []
+        for name, kind in self.plain_kinds:
+            value = body.get(name, _ABSENT)
+            if type(value) is kind:
+                if kind is list:  # a tuple of ints (token ids)
+                    for item in value:
+                        if type(item) is not int:
+                            return None
+                    value = tuple(value)
+            elif value is not None or kind is not type(None):
+                return None
+            values.append(value)
+        obj = object.__new__(self.cls)
+        obj.__dict__.update(zip(self.names, values))
+        return obj
+
+
+_ABSENT = object()
+
+
+def _plain_kinds(fields: list, hints: dict, built_by_init: bool) -> tuple | None:
+    """For a message whose fields are all strings, integers, booleans, tuples of integers or
+    optional values (taken here only when null), the type each field's msgpack value has;
+    None for any other message."""
+    if built_by_init:
+        return None
+    kinds = []
+    for f in fields:
+        hint = hints[f.name]
+        origin = typing.get_origin(hint)
+        if hint in (str, int, bool):
+            kinds.append((f.name, hint))
+        elif origin is tuple and typing.get_args(hint) == (int, Ellipsis):
+            kinds.append((f.name, list))
+        elif origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint):
+            kinds.append((f.name, type(None)))
+        else:
+            return None
+    return tuple(kinds)
 
 
 _SCHEMAS: dict[type, _Schema] = {}
