@@ -4,8 +4,9 @@ ZeroMQ's `FD` is edge-triggered and signals "something changed", not "readable":
 truth is `EVENTS`. So every operation tries first with `NOBLOCK`, then checks `EVENTS`
 before sleeping on the FD, and loops. trio allows one task to wait on an FD at a time, so
 tasks that need to wait share one waiter: the first sleeps on the FD, the others on an event
-it sets. After every successful operation the sleeping waiter is woken to re-check
-`EVENTS`, because a send or receive can consume the edge another task was waiting for.
+it sets. A send or receive can consume the edge another task was waiting for, so after every
+successful operation `EVENTS` is read again and the sleeping waiter woken if it shows what a
+waiting task wants (reading it re-arms the FD for any later change).
 
 One task receives on a socket; any number may send. A ROUTER is made `ROUTER_MANDATORY`, so
 sending to a peer that is gone raises `PeerGone` instead of dropping the message silently.
@@ -18,8 +19,9 @@ without ever yielding to trio: one client that does not read would freeze the da
 types wait for room, yielding on every retry.
 
 The `_nowait` forms (`recv_multipart_nowait`, `recv_with_user_nowait`, a ROUTER's
-`route_nowait`) do the same without waiting and without a checkpoint, for a task that takes
-or sends a run of messages in one turn of the event loop and yields on its own schedule.
+`route_nowait`, `send_nowait` on the other types) do the same without waiting and without a
+checkpoint, for a task that takes or sends a run of messages in one turn of the event loop
+and yields on its own schedule, or that waits only when there is no room.
 
 Cancellation (a timeout) never loses a message: an operation checks for it before it
 touches the socket, and once a message is taken or sent it yields shielded and returns. A
@@ -84,6 +86,7 @@ class Socket:
         self._fd = self.zmq.getsockopt(zmq.FD)
         self._waiter_done: trio.Event | None = None
         self._waiter_scope: trio.CancelScope | None = None
+        self._wanting: dict[int, int] = {}  # mask -> tasks in `wait_for` waiting for it
         self._closed = False
 
     # -- setup ----------------------------------------------------------------------------
@@ -201,6 +204,18 @@ class Socket:
             raise
         self._wake_waiter()
 
+    def send_nowait(self, frame: bytes) -> bool:
+        """Send one frame if there is room now (True), without a checkpoint; False: nothing
+        was sent, and `send` waits for room. Not for a ROUTER (see `route_nowait`)."""
+        if self._router:
+            raise TypeError("send_nowait is not for ROUTER sockets: use route_nowait")
+        try:
+            self.zmq.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        self._wake_waiter()
+        return True
+
     async def send(self, frame: bytes) -> None:
         await self.send_multipart([frame])
 
@@ -208,22 +223,38 @@ class Socket:
         """Sleep until `EVENTS` has `mask` (zmq.POLLIN or POLLOUT) set."""
         # Reading EVENTS also re-arms the edge-triggered FD, so check it before every sleep.
         mask = int(mask)
-        while self._closed or not self.zmq.get(EVENTS) & mask:
-            if self._closed:
-                raise trio.ClosedResourceError("socket closed")
-            if self._waiter_done is not None:
-                await self._waiter_done.wait()
-                continue
-            done = self._waiter_done = trio.Event()
-            try:
-                with trio.CancelScope() as scope:
-                    self._waiter_scope = scope
-                    await trio.lowlevel.wait_readable(self._fd)
-            finally:
-                self._waiter_scope = None
-                self._waiter_done = None
-                done.set()
+        wanting = self._wanting
+        wanting[mask] = wanting.get(mask, 0) + 1
+        try:
+            while self._closed or not self.zmq.get(EVENTS) & mask:
+                if self._closed:
+                    raise trio.ClosedResourceError("socket closed")
+                if self._waiter_done is not None:
+                    await self._waiter_done.wait()
+                    continue
+                done = self._waiter_done = trio.Event()
+                try:
+                    with trio.CancelScope() as scope:
+                        self._waiter_scope = scope
+                        await trio.lowlevel.wait_readable(self._fd)
+                finally:
+                    self._waiter_scope = None
+                    self._waiter_done = None
+                    done.set()
+        finally:
+            wanting[mask] -= 1
+            if not wanting[mask]:
+                del wanting[mask]
 
     def _wake_waiter(self) -> None:
-        if self._waiter_scope is not None:
-            self._waiter_scope.cancel()
+        """After an operation: wake the task sleeping on the FD if `EVENTS` now shows what a
+        waiting task waits for (the operation may have consumed that edge). Otherwise the FD
+        signals the next change, and the sleeper is woken by it."""
+        scope = self._waiter_scope
+        if scope is None or scope.cancel_called:
+            return
+        wanted = 0
+        for mask in self._wanting:
+            wanted |= mask
+        if self.zmq.get(EVENTS) & wanted:
+            scope.cancel()
