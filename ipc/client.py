@@ -70,7 +70,10 @@ class _Pending:
         self.items.append(msg)
         if type(msg) is m.Finished:
             self.finished = True
-        self._wake()
+        reader = self._reader
+        if reader is not None:
+            self._reader = None
+            trio.lowlevel.reschedule(reader)
 
     def close(self) -> None:
         self.closed = True
@@ -100,7 +103,7 @@ class AsyncGeneration:
         self._client = client
         self.request_id = request_id
         self.prompt_tokens = 0
-        self._window = credit_window
+        self._grant_every = max(1, credit_window // 2)
         self._pending = pending
         self._text: list[str] = []
         self._ids: list[int] = []
@@ -125,14 +128,16 @@ class AsyncGeneration:
     async def __anext__(self) -> m.Chunk:
         while self._result is None:
             item = await self._client._next_item(self._pending)
-            if isinstance(item, m.Chunk):
+            if type(item) is m.Chunk:
                 self._text.append(item.text)
                 self._ids.extend(item.token_ids)
                 if item.logprobs is not None:
                     if self._logprobs is None:
                         self._logprobs = []
                     self._logprobs.extend(item.logprobs)
-                await self._grant()
+                self._ungranted += 1
+                if self._ungranted >= self._grant_every:
+                    await self._grant()
                 return item
             if isinstance(item, m.Finished):
                 self._finish(item)
@@ -153,11 +158,10 @@ class AsyncGeneration:
         return self.result
 
     async def _grant(self) -> None:
-        self._ungranted += 1
-        if self._ungranted >= max(1, self._window // 2):
-            grant, self._ungranted = self._ungranted, 0
-            if not self._pending.finished:  # an ended request has no use for credits
-                await self._client._send(m.Credit(self.request_id, grant))
+        """Give back the credits of the chunks taken since the last grant (half a window)."""
+        grant, self._ungranted = self._ungranted, 0
+        if not self._pending.finished:  # an ended request has no use for credits
+            await self._client._send(m.Credit(self.request_id, grant))
 
     def _finish(self, item: m.Finished) -> None:
         self._result = GenerationResult(
@@ -292,6 +296,9 @@ class AsyncClient:
     async def _send_frame(self, frame: bytes) -> None:
         if self._gone is not None:
             raise self._gone
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._socket.send_nowait(frame):  # the common case: there is room
+            return
         # a DEALER waits for a connection to queue into: with a daemon that is not there, or
         # CURVE handshakes that keep failing, that wait would never end
         with trio.move_on_after(self.daemon_timeout):
@@ -344,6 +351,11 @@ class AsyncClient:
                 self._route(msg)
 
     def _route(self, msg: Any) -> None:
+        if type(msg) is m.Chunk:  # nearly every message
+            pending = self._pending.get(msg.request_id)
+            if pending is not None:
+                pending.put(msg)
+            return
         if isinstance(msg, m.ServerInfo):
             self._frame_limit = msg.max_frame_bytes
             while self._info_waiters:
