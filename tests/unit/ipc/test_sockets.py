@@ -137,3 +137,18 @@ async def test_the_nowait_forms_take_what_is_there_and_never_wait() -> None:
             router.route_nowait([b"nobody", b"hello"])
         with pytest.raises(TypeError):
             dealer.route_nowait([b"x"])
+
+
+async def test_send_nowait_sends_when_there_is_room_and_never_waits() -> None:
+    """A DEALER with no peer has nowhere to queue: `send_nowait` says so at once and sends
+    nothing; once connected it sends. A ROUTER refuses it (its sends are `route_nowait`)."""
+    with trio.fail_after(5), Socket(zmq.ROUTER) as router, Socket(zmq.DEALER) as dealer:
+        assert dealer.send_nowait(b"too early") is False
+        dealer.connect(router.bind("tcp://127.0.0.1:0"))
+        while not dealer.send_nowait(b"hello"):  # the connection is being made
+            await trio.sleep(0.01)
+        _, payload = await router.recv_multipart()
+        assert payload == b"hello"
+        with pytest.raises(TypeError):
+            router.send_nowait(b"x")
+
