@@ -33,7 +33,7 @@ class IncrementalDetokenizer:
             self._released = ["".join(self._released)]
         return self._released[0] if self._released else ""
 
-    def push(self, token_ids: list[int]) -> str:
+    def push(self, token_ids: list[int] | tuple[int, ...]) -> str:
         """Add tokens; return the text that can be sent now."""
         if self.stopped:
             return ""
@@ -65,7 +65,7 @@ class IncrementalDetokenizer:
             self._released.append(text)
         return text
 
-    def _decode_new(self, token_ids: list[int]) -> str:
+    def _decode_new(self, token_ids: list[int] | tuple[int, ...]) -> str:
         step, backend = self._stream.step, self._backend
         if len(token_ids) == 1:  # a decode step's one token: no generator, no join
             return step(backend, token_ids[0]) or ""

@@ -21,21 +21,20 @@ class RequestText:
         self._detok = IncrementalDetokenizer(tokenizer, stop)
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        self.stopped = False  # a stop string ended the text: the request must end now, as `stop`
 
     @property
     def text(self) -> str:
         """Everything released so far."""
         return self._detok.text
 
-    @property
-    def stopped(self) -> bool:
-        """A stop string ended the text: the request must end now, as `stop`."""
-        return self._detok.stopped
-
     def push(self, token_ids: list[int] | tuple[int, ...]) -> str:
         """One step's tokens (all are counted, even past a stop string); the text to send."""
         self.completion_tokens += len(token_ids)
-        return self._detok.push(list(token_ids))
+        detok = self._detok
+        text = detok.push(token_ids)
+        self.stopped = detok.stopped
+        return text
 
     def end(self, reason: FinishReason | None) -> str:
         """The request ended for `reason`: the held-back text it releases ("" if none)."""
