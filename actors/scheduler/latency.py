@@ -61,15 +61,18 @@ class LatencyLog:
     def record(self, core: Scheduler, outputs: list[RequestOutput]) -> None:
         now = core.clock()
         produced = 0
-        last_token = self.last_token
+        last_token, itl, histograms = self.last_token, self.itl, self.histograms
         for out in outputs:
             rid = out.request_id
             n = len(out.new_token_ids)
             if n:
                 seen = last_token.get(rid)
-                if seen is not None:
+                if seen is not None:  # a token of a running stream: the common case, inline
                     previous, tenant = seen
-                    self._observe("itl", (now - previous) / n, tenant)
+                    gap = (now - previous) / n
+                    itl.append(gap)
+                    if histograms:
+                        self._count("itl", gap, tenant)
                     last_token[rid] = (now, tenant)
                     produced += n
                 elif (request := core.requests.get(rid) or core.recently_ended.get(rid)):

@@ -213,7 +213,8 @@ class Scheduler:
         kv, ledger, tenants = self.kv_cache, self.ledger, self.ledger.tenants
         sampled, step_id, size = result.sampled, plan.step_id, kv.block_size
         # the step's forward time, shared among its sequences by the tokens each computed
-        per_token = result.forward_seconds / max(1, sum(len(seq.token_ids) for seq in plan.seqs))
+        forward = result.forward_seconds
+        per_token = forward / max(1, plan.num_tokens) if forward else 0.0
         for seq in plan.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.scheduled_step != step_id or not request.block_ids:
@@ -235,7 +236,8 @@ class Scheduler:
             if token is None:
                 outputs.append(self._end(request, FinishReason.ERROR, RequestState.FAILED))
                 continue
-            self.table.prefill_done(request, now)
+            if request.state is not DECODING:  # its first token: the prompt is computed
+                self.table.prefill_done(request, now)
             ledger.charge_decode(tenant)
             reason = request.sampled(token.token_id, now, self.max_model_len)
             if reason is not None:
