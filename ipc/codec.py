@@ -166,7 +166,7 @@ class _Schema:
         # a class that checks its own values when built (`SamplingParams`) is built by its
         # `__init__`; the others are filled directly (`decode`)
         self.built_by_init = hasattr(cls, "__post_init__") or hasattr(cls, "__slots__")
-        self.plain_kinds = _plain_kinds(self.fields, hints, self.built_by_init)
+        self.decode_plain = _plain_decoder(cls, self.fields, hints, self.built_by_init)
         self.nested = {
             f.name: _nested_encoder(hints[f.name])
             for f in self.fields
@@ -186,8 +186,8 @@ class _Schema:
         return body
 
     def decode(self, body: Any, path: str) -> Any:
-        if self.plain_kinds is not None and type(body) is dict and len(body) == len(self.names):
-            obj = self._decode_plain(body)
+        if self.decode_plain is not None and type(body) is dict:
+            obj = self.decode_plain(body)
             if obj is not None:
                 return obj
         if type(body) is not dict:
@@ -226,49 +226,43 @@ class _Schema:
         return obj
 
 
-    def _decode_plain(self, body: dict) -> Any:
-        """The message, when every field is there and holds a plain value of its type (a
-        chunk's id, text and token ids, no logprobs); None sends it down the checking path,
-        which names what is wrong."""
-        values = []
-        for name, kind in self.plain_kinds:
-            value = body.get(name, _ABSENT)
-            if type(value) is kind:
-                if kind is list:  # a tuple of ints (token ids)
-                    for item in value:
-                        if type(item) is not int:
-                            return None
-                    value = tuple(value)
-            elif value is not None or kind is not type(None):
-                return None
-            values.append(value)
-        obj = object.__new__(self.cls)
-        obj.__dict__.update(zip(self.names, values))
-        return obj
-
-
 _ABSENT = object()
 
 
-def _plain_kinds(fields: list, hints: dict, built_by_init: bool) -> tuple | None:
+def _plain_decoder(cls: type, fields: list, hints: dict,
+                   built_by_init: bool) -> Callable[[dict], Any] | None:
     """For a message whose fields are all strings, integers, booleans, tuples of integers or
-    optional values (taken here only when null), the type each field's msgpack value has;
-    None for any other message."""
+    optional values, a function that builds it from a body holding every field with a plain
+    value of its type (an optional one only when null), and returns None for any other body,
+    which then takes the checking path that names what is wrong. None for other messages.
+
+    The function is written out for the class, one exact type test per field, as `dataclasses`
+    writes `__init__`: a loop over a table of kinds cost twice as much per chunk."""
     if built_by_init:
         return None
-    kinds = []
-    for f in fields:
+    lines = [f"def decode(body, _new=object.__new__, _cls=_cls, _absent=_absent):",
+             f"    if len(body) != {len(fields)}:",
+             "        return None"]
+    for i, f in enumerate(fields):
         hint = hints[f.name]
         origin = typing.get_origin(hint)
+        lines.append(f"    v{i} = body.get({f.name!r}, _absent)")
         if hint in (str, int, bool):
-            kinds.append((f.name, hint))
+            lines += [f"    if type(v{i}) is not {hint.__name__}:", "        return None"]
         elif origin is tuple and typing.get_args(hint) == (int, Ellipsis):
-            kinds.append((f.name, list))
+            lines += [f"    if type(v{i}) is not list:", "        return None",
+                      f"    for item in v{i}:", "        if type(item) is not int:",
+                      "            return None", f"    v{i} = tuple(v{i})"]
         elif origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint):
-            kinds.append((f.name, type(None)))
+            lines += [f"    if v{i} is not None:", "        return None"]
         else:
             return None
-    return tuple(kinds)
+    lines += ["    obj = _new(_cls)", "    fields = obj.__dict__"]
+    lines += [f"    fields[{f.name!r}] = v{i}" for i, f in enumerate(fields)]
+    lines.append("    return obj")
+    namespace = {"_cls": cls, "_absent": _ABSENT}
+    exec("\n".join(lines), namespace)  # noqa: S102 -- source built above from field names
+    return namespace["decode"]
 
 
 _SCHEMAS: dict[type, _Schema] = {}
@@ -399,26 +393,31 @@ class Codec:
         if type(raw) is not list or len(raw) != 4:
             raise CodecError("expected [major, minor, tag, body]", field="frame")
         major, _minor, tag, body = raw
-        request_id = ""
-        if type(body) is dict and type(body.get("request_id")) is str:
-            request_id = body["request_id"]
         if type(major) is not int or major != m.PROTOCOL_MAJOR:
             raise CodecError(
                 f"protocol version {major!r} is not supported; this daemon speaks "
                 f"{m.PROTOCOL_VERSION}",
                 field="version",
                 code=m.RejectCode.PROTOCOL_VERSION,
-                request_id=request_id,
+                request_id=_request_id(body),
             )
         cls = self._by_tag.get(tag) if type(tag) is int else None
         if cls is None:
-            raise CodecError(f"unknown message tag {tag!r}", field="tag", request_id=request_id)
+            raise CodecError(f"unknown message tag {tag!r}", field="tag",
+                             request_id=_request_id(body))
         try:
-            return _schema(cls).decode(body, "")
+            return _SCHEMAS[cls].decode(body, "")  # built for every accepted class in __init__
         except _FieldError as exc:
-            raise CodecError(exc.message, field=exc.path, request_id=request_id) from None
+            raise CodecError(exc.message, field=exc.path, request_id=_request_id(body)) from None
         except (TypeError, ValueError) as exc:  # a dataclass __post_init__ refused the value
-            raise CodecError(str(exc), field=cls.__name__, request_id=request_id) from None
+            raise CodecError(str(exc), field=cls.__name__, request_id=_request_id(body)) from None
+
+
+def _request_id(body: Any) -> str:
+    """The request a refused frame named, so the reply can name it too ("" if none)."""
+    if type(body) is dict and type(body.get("request_id")) is str:
+        return body["request_id"]
+    return ""
 
 
 def to_plain(msg: Any) -> Any:
