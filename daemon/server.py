@@ -59,8 +59,11 @@ class WorkerStartFailed(Exception):
 
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer(path: Path):
-    """Tokenizers are immutable and slow to build from GGUF metadata: one per model path."""
-    return load_tokenizer(path)
+    """Tokenizers are immutable and slow to build from GGUF metadata: one per model path,
+    with its byte table built here, off the event loop, before the first request needs it."""
+    tokenizer = load_tokenizer(path)
+    tokenizer.byte_vocabulary()
+    return tokenizer
 
 
 class Daemon:
