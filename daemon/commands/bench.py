@@ -307,7 +307,11 @@ def run(args: argparse.Namespace) -> int:
     from sluice.ipc.errors import SluiceError
 
     from sluice.daemon.commands.bench_record import header
+    from sluice.daemon.heap import settle_collector
 
+    # the load's messages are short-lived and free no cycles, as in the daemon: a young
+    # collection every 700 allocations would be the client's cost, not the daemon's
+    settle_collector()
     try:
         report = trio.run(bench, args)
     except (SluiceError, ValueError, OSError, HttpLoadError) as exc:
