@@ -49,10 +49,6 @@ class PlanBuilder:
         return request_id in self.seqs
 
     @property
-    def can_decode(self) -> bool:
-        return self.budget >= self.decode_weight
-
-    @property
     def can_prefill(self) -> bool:
         return self.budget >= self.prefill_weight
 
@@ -82,22 +78,31 @@ class PlanBuilder:
         self.budget += self._held_back
         self._held_back = 0.0
 
-    def add(self, request: Request, start: int, n: int, *, decode: bool) -> None:
-        """Plan tokens `start:start+n` of the request and charge them to the budget."""
+    def add_prefill(self, request: Request, start: int, n: int) -> None:
+        """Plan prompt (or recomputed) tokens `start:start+n` and charge them to the budget."""
         tokens = request.all_token_ids
         end = start + n
+        sample = end >= len(tokens) and (self.first_token_from_prefill
+                                         or bool(request.output_token_ids))
+        self._place(request, tokens[start:end], start, sample, decode=False)
+        self.budget -= self.prefill_weight * n
+        self.prefill_tokens += n
+
+    def add_decode(self, request: Request, start: int) -> None:
+        """Plan the one token at `start` of a decoding request (sampled when it is the last)."""
+        tokens = request.all_token_ids
+        self._place(request, tokens[start:start + 1], start, start + 1 >= len(tokens),
+                    decode=True)
+        self.budget -= self.decode_weight
+        self.decode_tokens += 1
+
+    def _place(self, request: Request, token_ids: list[int], start: int, sample: bool, *,
+               decode: bool) -> None:
         outputs = request.output_token_ids
-        sample = end >= len(tokens) and (decode or self.first_token_from_prefill or bool(outputs))
         penalties = request.has_penalties
         self.seqs[request.request_id] = ScheduledSeq(
-            request.request_id,
-            tokens[start:end],
-            start,
-            request.block_ids,
-            sample,
-            request.sampling,
-            len(outputs),
-            request.sampling_seed,
+            request.request_id, token_ids, start, request.block_ids, sample, request.sampling,
+            len(outputs), request.sampling_seed,
             request.prompt_token_ids if penalties else None,
             list(outputs) if penalties else None,
         )
@@ -105,12 +110,6 @@ class PlanBuilder:
         request.last_chunk_was_decode = decode
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
-        if decode:
-            self.budget -= self.decode_weight
-            self.decode_tokens += 1
-        else:
-            self.budget -= self.prefill_weight * n
-            self.prefill_tokens += n
 
     def undo(self, request: Request) -> None:
         """The request lost its KV while this plan was built: take it out, give its budget back."""

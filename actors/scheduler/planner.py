@@ -102,10 +102,13 @@ class Planner:
             # more decodes than budget: rotate who goes first so no stream stalls for good
             k = plan.step_id % len(candidates)
             candidates = candidates[k:] + candidates[:k]
+        suspects = self.bisection.suspects
+        anyone = plan.probe is None and not suspects  # no suspect group limits who runs
+        weight = plan.decode_weight
         for request in candidates:
-            if not plan.can_decode:
+            if plan.budget < weight:
                 break
-            if request.state is not DECODING or not plan.may_plan(request, self.bisection.suspects):
+            if request.state is not DECODING or not (anyone or plan.may_plan(request, suspects)):
                 continue
             start = request.num_computed_tokens
             if start >= len(request.all_token_ids):  # the toy mode's first decode
@@ -114,7 +117,7 @@ class Planner:
                 if not self._within_kv_cap(request) or not self._grow(request, 1,
                                                                        may_preempt_self=True):
                     continue
-            plan.add(request, start, 1, decode=True)
+            plan.add_decode(request, start)
 
     def _schedule_prefills(self, plan: PlanBuilder, now: float) -> None:
         cfg = self.config
@@ -215,7 +218,7 @@ class Planner:
                     self._take_blocks(request, missing)
         elif missing > 0:
             self._take_blocks(request, missing)
-        plan.add(request, start, n, decode=False)
+        plan.add_prefill(request, start, n)
 
     def _grow(self, request: Request, num_blocks: int, *, may_preempt_self: bool) -> bool:
         """Give `request` more blocks, preempting lower-ranked requests while the pool is short.
