@@ -77,11 +77,11 @@ class NullExecutor(Actor):
             return
         cycle, period = self.token_cycle, len(self.token_cycle)
         asks = [SamplingParams.from_plain(params).logprobs for params in samplings]
-        sampled = {
-            rid: _certain(cycle[generated % period], asks[params])
-            for rid, _tokens, _start, _table, sample, params, generated, *_ in seqs
-            if sample
-        }
+        sampled = {}
+        for seq in seqs:  # [rid, tokens, start, table, sample, params, generated, ...]
+            if seq[4]:
+                token, ask = cycle[seq[6] % period], asks[seq[5]]
+                sampled[seq[0]] = [token, None, None] if ask is None else _certain(token, ask)
         self.scheduler.put(ResultFrame(CODEC.encode_compact(StepResult, [step_id, sampled, 0.0])))
 
     async def on_crash(self, exc: BaseException) -> None:

@@ -118,8 +118,10 @@ class StepResult:
     @classmethod
     def from_plain(cls, plain: list | tuple) -> StepResult:
         step_id, sampled, seconds = plain
-        return cls(step_id, {rid: SampledToken.from_plain(t) for rid, t in sampled.items()},
-                   seconds)
+        tokens = {}
+        for rid, (token, logprob, top) in sampled.items():  # `SampledToken.from_plain`, inline
+            tokens[rid] = SampledToken(token, logprob, [tuple(p) for p in top] if top else None)
+        return cls(step_id, tokens, seconds)
 
 
 @dataclass(frozen=True)
