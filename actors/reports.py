@@ -122,7 +122,11 @@ class UsageSums:
     compute_seconds: float = 0.0
 
     def plus(self, other: UsageSums) -> UsageSums:
-        return UsageSums(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        mine, theirs = self.__dict__, other.__dict__
+        return UsageSums(*[mine[name] + theirs[name] for name in _SUM_FIELDS])
+
+
+_SUM_FIELDS = tuple(f.name for f in fields(UsageSums))
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,10 @@ class UsageLog(Actor):
         for rec in msg.records:
             self.records += 1
             label = rec.tenant if rec.configured else ""
-            self.totals.setdefault(label, _Totals()).add(rec)
+            totals = self.totals.get(label)
+            if totals is None:  # not setdefault: that built a fresh _Totals per record
+                totals = self.totals[label] = _Totals()
+            totals.add(rec)
             self._observe(rec, label)
             log.info("request ended", request_id=rec.request_id,
                      client_request_id=rec.client_request_id,
