@@ -99,22 +99,16 @@ class AsyncGeneration:
     """One request's stream of chunks; iterate it, `cancel()` it, then read `result`."""
 
     def __init__(self, client: AsyncClient, request_id: str, credit_window: int,
-                 pending: _Pending, most_chunks: int):
+                 pending: _Pending):
         self._client = client
         self.request_id = request_id
         self.prompt_tokens = 0
-        self._window = credit_window
-        # credits are topped up to a window once half of it is spent
-        self._low = credit_window - max(1, credit_window // 2)
-        self._granted = credit_window  # credits given so far, the Generate's included
-        self._taken = 0  # chunks taken
-        # the most chunks the request can bring (a token each, and held-back text released at
-        # its end): credits are topped up only until they cover them
-        self._most_chunks = most_chunks
+        self._grant_every = max(1, credit_window // 2)
         self._pending = pending
         self._text: list[str] = []
         self._ids: list[int] = []
         self._logprobs: list[m.TokenLogprobs] | None = None
+        self._ungranted = 0
         self._error: str | None = None
         self._result: GenerationResult | None = None
 
@@ -132,13 +126,8 @@ class AsyncGeneration:
         return self
 
     async def __anext__(self) -> m.Chunk:
-        pending = self._pending
         while self._result is None:
-            if self._taken >= self._granted and not pending.items and not pending.finished:
-                # every credit is spent and nothing waits: the daemon cannot send more without
-                # one (the count of chunks the request can bring said none would come)
-                await self._grant()
-            item = await self._client._next_item(pending)
+            item = await self._client._next_item(self._pending)
             if type(item) is m.Chunk:
                 self._text.append(item.text)
                 self._ids.extend(item.token_ids)
@@ -146,8 +135,8 @@ class AsyncGeneration:
                     if self._logprobs is None:
                         self._logprobs = []
                     self._logprobs.extend(item.logprobs)
-                self._taken += 1
-                if self._granted - self._taken <= self._low and self._granted < self._most_chunks:
+                self._ungranted += 1
+                if self._ungranted >= self._grant_every:
                     await self._grant()
                 return item
             if isinstance(item, m.Finished):
@@ -169,12 +158,10 @@ class AsyncGeneration:
         return self.result
 
     async def _grant(self) -> None:
-        """Top the daemon's credits for this request up to a window."""
-        if self._pending.finished:  # an ended request has no use for credits
-            return
-        grant = self._window - (self._granted - self._taken)
-        self._granted += grant
-        await self._client._send(m.Credit(self.request_id, grant))
+        """Give back the credits of the chunks taken since the last grant (half a window)."""
+        grant, self._ungranted = self._ungranted, 0
+        if not self._pending.finished:  # an ended request has no use for credits
+            await self._client._send(m.Credit(self.request_id, grant))
 
     def _finish(self, item: m.Finished) -> None:
         self._result = GenerationResult(
@@ -270,8 +257,7 @@ class AsyncClient:
         pending = _Pending()
         self._pending[rid] = pending
         await self._send_frame(frame)
-        generation = AsyncGeneration(self, rid, self.credit_window, pending,
-                                     max_tokens + (1 if stop else 0))
+        generation = AsyncGeneration(self, rid, self.credit_window, pending)
         first = await self._next_item(pending)
         if isinstance(first, m.Rejected):
             self._forget(rid)
