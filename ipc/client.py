@@ -70,10 +70,7 @@ class _Pending:
         self.items.append(msg)
         if type(msg) is m.Finished:
             self.finished = True
-        reader = self._reader
-        if reader is not None:
-            self._reader = None
-            trio.lowlevel.reschedule(reader)
+        self._wake()
 
     def close(self) -> None:
         self.closed = True

@@ -240,7 +240,7 @@ def _plain_decoder(cls: type, fields: list, hints: dict,
     writes `__init__`: a loop over a table of kinds cost twice as much per chunk."""
     if built_by_init:
         return None
-    lines = [f"def decode(body, _new=object.__new__, _cls=_cls, _absent=_absent):",
+    lines = ["def decode(body, _new=object.__new__, _cls=_cls, _absent=_absent):",
              f"    if len(body) != {len(fields)}:",
              "        return None"]
     for i, f in enumerate(fields):

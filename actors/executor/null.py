@@ -80,8 +80,7 @@ class NullExecutor(Actor):
         sampled = {}
         for seq in seqs:  # [rid, tokens, start, table, sample, params, generated, ...]
             if seq[4]:
-                token, ask = cycle[seq[6] % period], asks[seq[5]]
-                sampled[seq[0]] = [token, None, None] if ask is None else _certain(token, ask)
+                sampled[seq[0]] = _certain(cycle[seq[6] % period], asks[seq[5]])
         self.scheduler.put(ResultFrame(CODEC.encode_compact(StepResult, [step_id, sampled, 0.0])))
 
     async def on_crash(self, exc: BaseException) -> None:

@@ -61,18 +61,15 @@ class LatencyLog:
     def record(self, core: Scheduler, outputs: list[RequestOutput]) -> None:
         now = core.clock()
         produced = 0
-        last_token, itl, histograms = self.last_token, self.itl, self.histograms
+        last_token = self.last_token
         for out in outputs:
             rid = out.request_id
             n = len(out.new_token_ids)
             if n:
                 seen = last_token.get(rid)
-                if seen is not None:  # a token of a running stream: the common case, inline
+                if seen is not None:
                     previous, tenant = seen
-                    gap = (now - previous) / n
-                    itl.append(gap)
-                    if histograms:
-                        self._count("itl", gap, tenant)
+                    self._observe("itl", (now - previous) / n, tenant)
                     last_token[rid] = (now, tenant)
                     produced += n
                 elif (request := core.requests.get(rid) or core.recently_ended.get(rid)):

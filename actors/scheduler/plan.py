@@ -118,10 +118,8 @@ class StepResult:
     @classmethod
     def from_plain(cls, plain: list | tuple) -> StepResult:
         step_id, sampled, seconds = plain
-        tokens = {}
-        for rid, (token, logprob, top) in sampled.items():  # `SampledToken.from_plain`, inline
-            tokens[rid] = SampledToken(token, logprob, [tuple(p) for p in top] if top else None)
-        return cls(step_id, tokens, seconds)
+        return cls(step_id, {rid: SampledToken.from_plain(t) for rid, t in sampled.items()},
+                   seconds)
 
 
 @dataclass(frozen=True)

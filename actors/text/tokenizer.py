@@ -153,12 +153,13 @@ def _byte_table(backend: Backend) -> list[bytes] | None:
     byte_of = _byte_of_char()
     table = []
     for i in range(size):
-        token = None if i in special else backend.id_to_token(i)
         if i in special:
             table.append(b"")
-        elif token is None:  # a hole in the ids
+            continue
+        token = backend.id_to_token(i)
+        if token is None:  # a hole in the ids
             return None
-        elif all(char in byte_of for char in token):
+        if all(char in byte_of for char in token):
             table.append(bytes([byte_of[char] for char in token]))
         else:  # spelled outside the alphabet (an added token): its own UTF-8
             table.append(token.encode())
