@@ -90,7 +90,8 @@ class Gateway(Actor):
         self.limits = limits
         self.connection_cap = limits.connection_cap()
         self.heartbeat = (heartbeat_interval, heartbeat_timeout)
-        self.info = replace(info, max_frame_bytes=limits.max_frame_bytes)
+        self.info = replace(info, max_frame_bytes=limits.max_frame_bytes,
+                            max_credits=limits.max_credits)
         self.address: str | None = None  # the bound address, kept across restarts
         self.draining = False
         self.streams: dict[bytes, Stream] = {}

@@ -7,14 +7,15 @@
         print(generation.result.finish_reason)
 
 Credits are granted as the application consumes chunks, so an application that stops
-reading becomes a slow client and the daemon pauses its request. Heartbeats run in the
-background. A refusal raises the `RejectedError` subclass of its code. A request larger than
-the daemon's frame limit (learnt once per connection from its `ServerInfo`) is refused here,
-with `InvalidRequestError` naming the sizes: the daemon would drop the connection unanswered.
-Against a daemon with
-CURVE authentication, pass its public key and this client's key pair (Z85 text, as
-`zmq.curve_keypair()` makes them): `AsyncClient(address, curve_server_key=...,
-curve_keypair=(public, secret))`.
+reading becomes a slow client and the daemon pauses its request. A request's window is
+`credit_window`, or the daemon's `max_credits` where that is smaller (a larger grant would be
+clamped, and the top-up after half the window never come). Heartbeats run in the background.
+A refusal raises the `RejectedError` subclass of its code. A request larger than the daemon's
+frame limit is refused here, with `InvalidRequestError` naming the sizes: the daemon would
+drop the connection unanswered. Both limits are learnt once per connection, from the daemon's
+`ServerInfo`. Against a daemon with CURVE authentication, pass its public key and this
+client's key pair (Z85 text, as `zmq.curve_keypair()` makes them):
+`AsyncClient(address, curve_server_key=..., curve_keypair=(public, secret))`.
 """
 
 from __future__ import annotations
@@ -195,6 +196,7 @@ class AsyncClient:
         self._info_waiters: list[Any] = []
         self._gone: DaemonGone | None = None
         self._frame_limit: int | None = None  # the daemon's max frame bytes; 0: it does not say
+        self._max_credits = 0  # the credits the daemon lets a request hold; 0: it does not say
 
     async def __aenter__(self) -> AsyncClient:
         self._socket = Socket(zmq.DEALER)
@@ -245,16 +247,21 @@ class AsyncClient:
                                       request_id=rid) from None
         chat = None if messages is None else tuple(
             m.ChatMessage(str(x["role"]), str(x["content"])) for x in messages)
+        if self._frame_limit is None:
+            await self.status()  # once per connection: the answer carries the daemon's limits
+        window = self.credit_window
+        if 0 < self._max_credits < window:  # more would be clamped: never sent
+            window = self._max_credits
         msg = m.Generate(rid, prompt=prompt, messages=chat,
                          prompt_ids=None if prompt_ids is None else tuple(prompt_ids),
                          sampling=sampling, priority=priority, tenant=tenant or self.tenant,
-                         credits=self.credit_window, timeout=timeout)
+                         credits=window, timeout=timeout)
         frame = self._codec.encode(msg)
-        await self._check_frame_size(frame)
+        self._check_frame_size(frame)
         pending = _Pending()
         self._pending[rid] = pending
         await self._send_frame(frame)
-        generation = AsyncGeneration(self, rid, self.credit_window, pending)
+        generation = AsyncGeneration(self, rid, window, pending)
         first = await self._next_item(pending)
         if isinstance(first, m.Rejected):
             self._forget(rid)
@@ -278,9 +285,7 @@ class AsyncClient:
 
     # -- internals ----------------------------------------------------------------------------
 
-    async def _check_frame_size(self, frame: bytes) -> None:
-        if self._frame_limit is None:
-            await self.status()  # once per connection: the answer carries the limit
+    def _check_frame_size(self, frame: bytes) -> None:
         limit = self._frame_limit
         if limit and len(frame) > limit:
             raise InvalidRequestError(
@@ -355,6 +360,7 @@ class AsyncClient:
             return
         if isinstance(msg, m.ServerInfo):
             self._frame_limit = msg.max_frame_bytes
+            self._max_credits = msg.max_credits
             while self._info_waiters:
                 self._info_waiters.pop(0).send_nowait(msg)
             return

@@ -5,6 +5,9 @@ A frame is the msgpack array `[major, minor, tag, {field: value}]`, or a list of
 order: the frame size limit, that the bytes are msgpack, the protocol major version, the tag
 (against the set of messages the receiver accepts), and then every field's type, naming the
 offending field (dotted for nested values, `[i]` for an item, `['key']` for a map entry).
+An unknown field is refused, unless the frame's minor version is newer than the reader's:
+a minor version may add fields to a message (not to nested values), and an older reader
+ignores them.
 Decoding never raises anything but `CodecError`. A field is a scalar, an enum, a nested
 dataclass, or an optional, tuple or string-keyed map of those; a type the codec cannot
 check (`Any`) is refused when the codec is built.
@@ -184,6 +187,11 @@ class _Schema:
             if value is not None:
                 body[name] = encode(value)
         return body
+
+    def known_fields(self, body: dict) -> dict:
+        """The body without the fields a newer minor version added, which this reader ignores."""
+        checks = self.checks
+        return {key: value for key, value in body.items() if key in checks}
 
     def decode(self, body: Any, path: str) -> Any:
         if self.decode_plain is not None and type(body) is dict:
@@ -392,7 +400,7 @@ class Codec:
     def _decode_envelope(self, raw: Any) -> Any:
         if type(raw) is not list or len(raw) != 4:
             raise CodecError("expected [major, minor, tag, body]", field="frame")
-        major, _minor, tag, body = raw
+        major, minor, tag, body = raw
         if type(major) is not int or major != m.PROTOCOL_MAJOR:
             raise CodecError(
                 f"protocol version {major!r} is not supported; this daemon speaks "
@@ -405,6 +413,8 @@ class Codec:
         if cls is None:
             raise CodecError(f"unknown message tag {tag!r}", field="tag",
                              request_id=_request_id(body))
+        if type(minor) is int and minor > m.PROTOCOL_MINOR and type(body) is dict:
+            body = _SCHEMAS[cls].known_fields(body)
         try:
             return _SCHEMAS[cls].decode(body, "")  # built for every accepted class in __init__
         except _FieldError as exc:

@@ -27,6 +27,10 @@ from typing import ClassVar
 from sluice.ipc.vocabulary import FinishReason, RejectCode, SamplingParams
 
 PROTOCOL_MAJOR = 2
+# 2.1: `ServerInfo.max_credits` says how many credits the daemon lets a request hold, so a
+#      client never waits for more chunks than it will be sent. A 2.0 client cannot read a
+#      2.1 `ServerInfo` (its codec refuses the field); from 2.1 on a reader ignores the
+#      fields a newer minor version added to a message, so later additions stay compatible
 # 2.0: `Finished.timings` names each point a request passed (received, tokenized, queued,
 #      scheduled, prefill done, first token sent, finished) and the spans derived from them;
 #      `Accepted` has no `cached_tokens` (the prefix match happens after it is sent: the
@@ -41,7 +45,7 @@ PROTOCOL_MAJOR = 2
 # 1.4: `Chunk.logprobs` holds a `TokenLogprobs` per token (its text and the most likely
 #      alternatives) instead of a bare float; only a request that asked for `logprobs` gets
 #      one, and a 1.3 peer that asked (its client library could not) cannot read it
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 
@@ -208,6 +212,9 @@ class ServerInfo:
     # the largest frame the daemon reads; a larger one costs the client its connection
     # unanswered (ZeroMQ drops the peer), so the client library refuses it locally. 0: unknown
     max_frame_bytes: int = 0
+    # the credits a request may hold: a larger grant is clamped to it, so a client that tops
+    # up only after taking more chunks than this would wait for ever. 0: unknown
+    max_credits: int = 0
 
 
 # -- operator <-> control socket ------------------------------------------------------------

@@ -4,7 +4,8 @@
   the daemon's peak memory does not grow by its size, and the daemon keeps serving;
 - the client library knows the limit from `ServerInfo` and refuses such a request itself;
 - a connection holds at most `max_requests_per_connection` open requests;
-- credits are clamped to `max_credits`: no more chunks are sent ahead than that.
+- credits are clamped to `max_credits`: no more chunks are sent ahead than that, and the
+  client library, told the clamp by `ServerInfo`, never waits on a window wider than it.
 """
 
 from __future__ import annotations
@@ -112,3 +113,32 @@ async def test_credits_are_clamped(null_daemon) -> None:
         assert len(more) == 3
         await peer.send(m.Cancel("r"))
         assert (await peer.until_finished("r"))[-1].reason is m.FinishReason.CANCELLED
+
+
+async def test_a_window_wider_than_the_clamp_still_streams_to_the_end(null_daemon) -> None:
+    # the library tops up after half its window; with the window clamped below that half,
+    # no top-up would ever be sent unless the library opens only the window the daemon allows
+    handle = await null_daemon(**{"limits.max_credits": 3})
+    with trio.fail_after(30):
+        async with AsyncClient(handle.listen, credit_window=64) as client:
+            assert (await client.status()).max_credits == 3
+            generations = [await client.generate(str(i), max_tokens=40, ignore_eos=True)
+                           for i in range(4)]
+            for generation in generations:
+                result = await generation.collect()
+                assert (len(result.token_ids), result.finish_reason) == (40, "length")
+
+    def blocking() -> None:
+        with Client(handle.listen, credit_window=64) as client:
+            result = client.generate("sync", max_tokens=40, ignore_eos=True).collect()
+            assert (len(result.token_ids), result.finish_reason) == (40, "length")
+
+    with trio.fail_after(30):
+        await trio.to_thread.run_sync(blocking)
+
+
+def test_no_credit_at_all_is_refused_as_a_setting() -> None:
+    from sluice.actors.limits import Limits
+
+    with pytest.raises(ValueError, match="max_credits: must be at least 1"):
+        Limits(max_credits=0)

@@ -16,8 +16,9 @@ from sluice.ipc.codec import Codec, CodecError, to_plain
 client_codec = Codec(m.CLIENT_MESSAGES)
 
 
-def frame(tag: int, body: object, major: int = m.PROTOCOL_MAJOR) -> bytes:
-    return msgpack.packb([major, 0, tag, body], use_bin_type=True)
+def frame(tag: int, body: object, major: int = m.PROTOCOL_MAJOR,
+          minor: int = m.PROTOCOL_MINOR) -> bytes:
+    return msgpack.packb([major, minor, tag, body], use_bin_type=True)
 
 
 STATUS = m.StatusReport("serving", m.WorkerStatus("ready", 1), m.KVStatus(10, 8, 2, 0),
@@ -140,6 +141,19 @@ def test_wrong_major_version_is_its_own_code() -> None:
     err = decode_error(frame(3, {"request_id": "a"}, major=m.PROTOCOL_MAJOR + 1))
     assert err.code is m.RejectCode.PROTOCOL_VERSION
     assert err.request_id == "a"
+
+
+def test_a_newer_minor_version_may_add_fields_an_older_reader_ignores() -> None:
+    server = Codec(m.SERVER_MESSAGES)
+    body = {"protocol_version": "2.9", "model": "m", "max_credits": 8, "added_later": [1]}
+    info = server.decode(frame(m.ServerInfo.TAG, body, minor=m.PROTOCOL_MINOR + 1))
+    assert (info.model, info.max_credits) == ("m", 8)
+    same_minor = decode_error(frame(m.ServerInfo.TAG, body), server)
+    assert same_minor.field == "added_later"  # a peer of this version misspelt a field
+    newer = frame(m.ServerInfo.TAG, {**body, "max_credits": "8"}, minor=m.PROTOCOL_MINOR + 1)
+    assert decode_error(newer, server).field == "max_credits"  # known fields are still checked
+    missing = frame(m.ServerInfo.TAG, {"model": "m"}, minor=m.PROTOCOL_MINOR + 1)
+    assert decode_error(missing, server).field == "protocol_version"
 
 
 def test_receiver_refuses_tags_it_does_not_accept() -> None:
