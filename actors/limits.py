@@ -53,6 +53,8 @@ class Limits:
                 continue
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"limits.{name}: must be a non-negative integer, got {value!r}")
+        if self.max_credits < 1:  # no request could ever be sent a chunk
+            raise ValueError(f"limits.max_credits: must be at least 1, got {self.max_credits}")
 
     def connection_cap(self) -> int:
         """Live connections allowed: the configured cap, or what the fd limit leaves room for."""

@@ -182,7 +182,11 @@ class Daemon:
                                   tokenizer=tokenizer_inbox, limits=http_limits, sink=sink,
                                   usage=usage_inbox)
 
-                self.http = HttpFront(cfg.http, supervisor=self.supervisor,
+                # a response grants credits after taking half its window: a window above
+                # the stream's clamp would wait for chunks that are never sent
+                http_settings = dataclasses.replace(cfg.http, initial_credits=min(
+                    cfg.http.initial_credits, cfg.limits.max_credits))
+                self.http = HttpFront(http_settings, supervisor=self.supervisor,
                                       make_stream=make_http_stream, scheduler=scheduler_inbox,
                                       model_name=model_name, max_model_len=max_model_len,
                                       heartbeat_interval=cfg.stream.heartbeat_interval,

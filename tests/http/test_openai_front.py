@@ -130,6 +130,21 @@ async def test_chat_and_completions_streamed_and_not(null_daemon) -> None:
         assert ids.choices[0].text == " the quick" and ids.usage.prompt_tokens == 3
 
 
+async def test_a_stream_flows_when_the_daemon_clamps_credits_below_the_front_s_window(
+        null_daemon) -> None:
+    # the front grants in batches of half its window; were the window left above the clamp,
+    # no batch would ever fill and the response would stall after its first chunks
+    handle = await http_daemon(null_daemon, **{"limits.max_credits": 2})
+    client = sdk(handle)
+    with trio.fail_after(60):
+        model = await model_name(client)
+        events = await call(lambda: list(client.completions.create(
+            model=model, prompt="Once upon", max_tokens=30, stream=True)))
+        text = "".join(e.choices[0].text for e in events)
+        assert text == "".join(f" {word}" for word in (CYCLE.split() * 4)[:30])
+        assert events[-1].choices[0].finish_reason == "length"
+
+
 async def test_logprobs_travel_with_their_tokens_streamed_and_not(null_daemon) -> None:
     """The null executor's tokens are certain: each logprob is 0 and its one alternative is
     itself; what is asserted is that each token's entry arrives, in OpenAI's shape, named by
