@@ -365,7 +365,19 @@ class HttpFront(Actor):
             raise api.ApiError(404, f"the model {request.model!r} does not exist; this server "
                                f"serves {self.model_name!r}", type="not_found_error",
                                param="model", code="model_not_found")
-        stream = await self._open_stream()
+        for last_try in (False, True):
+            stream = await self._open_stream()
+            if await self._answer(request, request_id, stream, receive, send, last_try):
+                return
+            # the stream had closed (it crashed) before the front heard: the request was
+            # refused unseen, so it goes to a stream opened in its place
+            if stream is self.stream:
+                self.stream = None
+
+    async def _answer(self, request: api.ApiRequest, request_id: str, stream: Stream,
+                      receive: Callable, send: Callable, last_try: bool) -> bool:
+        """Answer `request` through `stream`; False when the stream was found closed, the
+        request refused before anything was done for it, and `last_try` is false."""
         replies = Replies()
         exchange = Exchange(request, request_id, stream.inbox, replies, send,
                             self.settings.retry_after)
@@ -381,7 +393,10 @@ class HttpFront(Actor):
                     refused = error
                 nursery.cancel_scope.cancel()
             if refused is not None:
+                if exchange.found_closed and not last_try:
+                    return False
                 raise refused
+            return True
         finally:
             del self.router.routes[request_id]
             if not exchange.ended:  # its client is gone: the request is cancelled, KV freed

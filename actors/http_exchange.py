@@ -81,6 +81,7 @@ class Exchange:
         self.text_offset = 0  # where the next streamed token's text starts (completions)
         self.error = ""
         self.ended = False  # the stream ended the request (finished, or refused it)
+        self.found_closed = False  # refused because the stream had closed: nothing was done
         # credits are given back in batches of half the window: the stream never runs dry
         # while a batch fills, and it hears from this response half as often (or less)
         self.credit_batch = max(1, request.generate.credits // 2)
@@ -134,6 +135,8 @@ class Exchange:
             self.error = item.message
         elif isinstance(item, m.Rejected):
             self.ended = True
+            self.found_closed = (item.code is m.RejectCode.OVERLOADED
+                                 and item.field == "connection" and not self.started)
             raise api.rejected_error(item, self.retry_after)
         return False
 

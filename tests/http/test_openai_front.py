@@ -399,6 +399,48 @@ async def test_a_crash_of_the_front_s_stream_ends_its_requests_and_the_front_ser
         assert answer.choices[0].text == " the quick brown fox"
 
 
+async def test_a_request_sent_to_a_stream_that_just_crashed_is_served_by_the_next(
+        null_daemon, monkeypatch) -> None:
+    # between a stream's crash and the front hearing of it, requests still go to the closed
+    # stream, which refuses them unseen: the front sends such a request on to a new stream
+    handle = await http_daemon(null_daemon)
+    client = sdk(handle)
+    model = await model_name(client)
+    front = handle.daemon.http
+    put, held, heard = front.inbox.put, [], trio.Event()
+
+    def hold_the_news(msg) -> None:  # the crashed stream's word reaches the front late
+        if isinstance(msg, am.StreamClosed) and not heard.is_set():
+            held.append(msg)
+            heard.set()
+        else:
+            put(msg)
+
+    on_cancel = Stream.on_cancel
+    crashed: list[Stream] = []
+
+    async def crash_once(self, msg):
+        if not crashed:
+            crashed.append(self)
+            raise RuntimeError("injected stream fault")
+        await on_cancel(self, msg)
+
+    monkeypatch.setattr(front.inbox, "put", hold_the_news)
+    monkeypatch.setattr(Stream, "on_cancel", crash_once)  # a disconnect sends Cancel
+    with trio.fail_after(60):
+        with held_stream(handle, model):
+            await wait_for(handle.control, lambda r: r.requests.running + r.requests.paused == 1)
+        await heard.wait()  # the stream crashed and closed; the front has not heard yet
+        assert front.stream is crashed[0] and crashed[0].closed
+        answer = await call(client.completions.create, model=model, prompt="hi", max_tokens=4)
+        assert (answer.choices[0].text, answer.choices[0].finish_reason) == (
+            " the quick brown fox", "length")
+        assert front.stream is not crashed[0]
+        put(held.pop())
+        await wait_for(handle.control, lambda r: r.requests.running + r.requests.paused == 0
+                       and r.kv.used_blocks == 0)
+
+
 async def test_a_reader_that_stops_reading_is_paused_then_timed_out(null_daemon) -> None:
     handle = await http_daemon(null_daemon, **{
         "stream.pause_timeout": 1.0, "stream.high_watermark": 4, "stream.low_watermark": 1,
