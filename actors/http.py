@@ -15,7 +15,8 @@ disconnects sends the stream its request's `Cancel`, which ends it and frees its
 One stream for all, not one per request: a step's tokens reach the front in one message
 instead of one per request, and a request costs no actor, inbox or socket of its own. If that
 stream fails, the requests it holds end with an error (a ZeroMQ connection's would too) and
-the next request opens a new one.
+the next request opens a new one. A request that reached the failed stream before the front
+heard of the failure is refused there unseen, and sent once more, to the new stream.
 
 A request body is turned into the same `m.Generate` the gateway decodes
 (`actors.openai_api`), so validation, limits and rejections are the daemon's own; this
