@@ -77,10 +77,9 @@ class NullExecutor(Actor):
             return
         cycle, period = self.token_cycle, len(self.token_cycle)
         asks = [SamplingParams.from_plain(params).logprobs for params in samplings]
-        sampled = {}
-        for seq in seqs:  # [rid, tokens, start, table, sample, params, generated, ...]
-            if seq[4]:
-                sampled[seq[0]] = _certain(cycle[seq[6] % period], asks[seq[5]])
+        # each seq: [rid, tokens, start, table, sample, params, generated, ...]
+        sampled = {seq[0]: _certain(cycle[seq[6] % period], asks[seq[5]])
+                   for seq in seqs if seq[4]}
         self.scheduler.put(ResultFrame(CODEC.encode_compact(StepResult, [step_id, sampled, 0.0])))
 
     async def on_crash(self, exc: BaseException) -> None:

@@ -217,11 +217,9 @@ def _results(logits: torch.Tensor, seqs: list[ScheduledSeq],
     n_max = max(seqs[row].sampling.logprobs for row in wanted)
     top_values, top_ids = logprobs.topk(n_max, dim=-1) if n_max else (None, None)
     for i, row in enumerate(wanted):
-        results[row].logprob = picked[i]
         n = seqs[row].sampling.logprobs
-        if n > 0:
-            results[row].top_logprobs = list(zip(top_ids[i, :n].tolist(),
-                                                 top_values[i, :n].tolist()))
+        top = list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist())) if n > 0 else None
+        results[row] = SampledToken(token_ids[row], picked[i], top)
     return results
 
 

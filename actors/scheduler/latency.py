@@ -7,6 +7,7 @@ the snapshots it is asked for: the metrics render what a snapshot says."""
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 
 from sluice.actors.scheduler.scheduler import Scheduler
@@ -30,9 +31,9 @@ class Buckets:
         self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
 
-    def add(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
+    def add(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.total += value * count
 
 
 class LatencyLog:
@@ -53,8 +54,9 @@ class LatencyLog:
         # last few steps of a busy daemon, and the rate over 5 s read far too low
         self.tokens: deque[tuple[float, int]] = deque(maxlen=keep)
         self.output_tokens = 0
-        # request id -> (time of its last token, its histogram label), looked up once
-        self.last_token: dict[str, tuple[float, str]] = {}
+        # request id -> [time of its last token, its histogram label], looked up once and
+        # updated in place
+        self.last_token: dict[str, list] = {}
         self.histograms = histograms
         self.buckets: dict[tuple[str, str], Buckets] = {}
 
@@ -62,23 +64,28 @@ class LatencyLog:
         now = core.clock()
         produced = 0
         last_token = self.last_token
+        # (time of the previous token, label, tokens) -> requests: the requests that decoded
+        # in the same earlier step share one inter-token latency, observed once per group
+        gaps: dict[tuple[float, str, int], int] = {}
         for out in outputs:
             rid = out.request_id
             n = len(out.new_token_ids)
             if n:
                 seen = last_token.get(rid)
                 if seen is not None:
-                    previous, tenant = seen
-                    self._observe("itl", (now - previous) / n, tenant)
-                    last_token[rid] = (now, tenant)
+                    key = (seen[0], seen[1], n)
+                    gaps[key] = gaps.get(key, 0) + 1
+                    seen[0] = now
                     produced += n
                 elif (request := core.requests.get(rid) or core.recently_ended.get(rid)):
                     tenant = request.tenant if core.config.is_configured(request.tenant) else ""
                     self._observe("ttft", now - (request.arrival_time or now), tenant)
-                    last_token[rid] = (now, tenant)
+                    last_token[rid] = [now, tenant]
                     produced += n
             if out.finished:
                 last_token.pop(rid, None)
+        for (previous, tenant, n), count in gaps.items():
+            self._observe("itl", (now - previous) / n, tenant, count)
         if produced:
             self.output_tokens += produced
             self.tokens.append((now, produced))
@@ -93,16 +100,21 @@ class LatencyLog:
             if not (len(seq.token_ids) == 1 and seq.num_generated > 0):  # not a decode
                 self._count("prefill_chunk", float(len(seq.token_ids)), "")
 
-    def _observe(self, kind: str, seconds: float, tenant: str) -> None:
-        (self.ttft if kind == "ttft" else self.itl).append(seconds)
+    def _observe(self, kind: str, seconds: float, tenant: str, count: int = 1) -> None:
+        """`count` samples of `seconds`."""
+        samples = self.ttft if kind == "ttft" else self.itl
+        if count == 1:
+            samples.append(seconds)
+        else:
+            samples.extend(itertools.repeat(seconds, min(count, samples.maxlen or count)))
         if self.histograms and kind in HISTOGRAM_BOUNDS:
-            self._count(kind, seconds, tenant)
+            self._count(kind, seconds, tenant, count)
 
-    def _count(self, kind: str, value: float, tenant: str) -> None:
+    def _count(self, kind: str, value: float, tenant: str, count: int = 1) -> None:
         buckets = self.buckets.get((kind, tenant))
         if buckets is None:
             buckets = self.buckets[kind, tenant] = Buckets(HISTOGRAM_BOUNDS[kind])
-        buckets.add(value)
+        buckets.add(value, count)
 
     def summary(self, now: float, window: float = 5.0) -> dict:
         recent = sum(n for t, n in self.tokens if now - t <= window)

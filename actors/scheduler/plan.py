@@ -14,8 +14,11 @@ the scheduling itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from sluice.ipc.vocabulary import FinishReason, InvalidParams, SamplingParams
+
+_new_tuple = tuple.__new__
 
 __all__ = ["InvalidParams", "RequestCost", "RequestOutput", "SampledToken", "SamplingParams",
            "ScheduledSeq", "StepPlan", "StepResult"]
@@ -89,18 +92,22 @@ def _is_decode(seq: ScheduledSeq) -> bool:
     return len(seq.token_ids) == 1 and seq.num_generated > 0
 
 
-@dataclass
-class SampledToken:
+class SampledToken(NamedTuple):
+    """One sampled token. A named tuple, not a dataclass: one is made per token of every
+    step, and its compact form (the triple itself) becomes one without calling `__init__`."""
+
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
 
-    def to_plain(self) -> list:
-        return [self.token_id, self.logprob, self.top_logprobs]
+    def to_plain(self) -> tuple:
+        return self
 
     @classmethod
     def from_plain(cls, plain: list | tuple) -> SampledToken:
         token, logprob, top = plain
+        if top is None:
+            return _new_tuple(cls, plain)
         return cls(token, logprob, [tuple(pair) for pair in top] if top else None)
 
 
@@ -118,8 +125,9 @@ class StepResult:
     @classmethod
     def from_plain(cls, plain: list | tuple) -> StepResult:
         step_id, sampled, seconds = plain
-        return cls(step_id, {rid: SampledToken.from_plain(t) for rid, t in sampled.items()},
-                   seconds)
+        new, token = _new_tuple, SampledToken
+        return cls(step_id, {rid: new(token, t) if t[2] is None else token.from_plain(t)
+                             for rid, t in sampled.items()}, seconds)
 
 
 @dataclass(frozen=True)

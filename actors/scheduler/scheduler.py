@@ -215,14 +215,16 @@ class Scheduler:
         # the step's forward time, shared among its sequences by the tokens each computed
         forward = result.forward_seconds
         per_token = forward / max(1, plan.num_tokens) if forward else 0.0
+        requests, max_model_len = self.requests, self.max_model_len
         for seq in plan.seqs:
-            request = self.requests.get(seq.request_id)
+            request = requests.get(seq.request_id)
             if request is None or request.scheduled_step != step_id or not request.block_ids:
                 continue  # ended, preempted or requeued since it was planned
             tenant = tenants[request.tenant]
             start = seq.start_pos
             end = start + len(seq.token_ids)
-            request.compute_seconds += per_token * (end - start)
+            if per_token:
+                request.compute_seconds += per_token * (end - start)
             recomputed = request.computed(start, end)
             if not request.last_chunk_was_decode:
                 ledger.charge_prefill(tenant, end - start - recomputed, recomputed)
@@ -239,12 +241,13 @@ class Scheduler:
             if request.state is not DECODING:  # its first token: the prompt is computed
                 self.table.prefill_done(request, now)
             ledger.charge_decode(tenant)
-            reason = request.sampled(token.token_id, now, self.max_model_len)
+            token_id = token[0]
+            reason = request.sampled(token_id, now, max_model_len)
             if reason is not None:
                 output = self._end(request, reason, RequestState.FINISHED)
-                output.new_token_ids = [token.token_id]
+                output.new_token_ids = [token_id]
             else:
-                output = RequestOutput(request.request_id, [token.token_id])
+                output = RequestOutput(request.request_id, [token_id])
             if request.sampling.logprobs is not None:
                 output.logprobs = [token]
             outputs.append(output)
