@@ -20,7 +20,7 @@ from sluice.actors.reports import (
     Endpoint, EndpointQuery, MetricsQuery, MetricsSnapshot, UsageQuery, UsageRecord,
     UsageSnapshot, WorkerQuery, WorkerState,
 )  # fmt: skip
-from sluice.actors.scheduler.plan import RequestCost, RequestOutput
+from sluice.actors.scheduler.plan import RequestCost, RequestOutput, TokenPair
 from sluice.ipc.messages import (
     Accepted, CancelCommand, Chunk, CommandReply, ControlSnapshot, DrainCommand, Error,
     Finished, GatewayStats, Generate, InjectFault, ReconcileCommand, RecoverCommand, Rejected,
@@ -183,9 +183,10 @@ class AdmissionRefused:
 
 @dataclass(frozen=True)
 class StepOutputs:
-    """Scheduler -> Tokenizer: what one iteration produced."""
+    """Scheduler -> Tokenizer: what one iteration produced (a request's plain next token as
+    a `TokenPair`)."""
 
-    outputs: tuple[RequestOutput, ...]
+    outputs: tuple[RequestOutput | TokenPair, ...]
 
 
 @dataclass(frozen=True)

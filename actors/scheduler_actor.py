@@ -64,7 +64,7 @@ from sluice.actors.limits import Limits, clip
 from sluice.actors.reports import Backlog, Histogram, MetricsQuery, MetricsSnapshot
 from sluice.actors.scheduler import AdmissionError, Request, Scheduler
 from sluice.actors.scheduler.latency import LatencyLog
-from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult
+from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult, TokenPair
 from sluice.actors.scheduler.step_budget import StepBudget
 from sluice.ipc import messages as m
 
@@ -245,7 +245,7 @@ class SchedulerActor(Actor):
         self.in_flight = None
         self.step_budget.step_ran()
         self.latency.step(plan, trio.current_time() - self.step_sent)
-        self._emit(self.core.update(plan, result))
+        self._emit(self.core.update(plan, result, pairs=True))
         self._after_step()
 
     async def on_step_out_of_memory(self, msg: StepOutOfMemory) -> None:
@@ -352,12 +352,12 @@ class SchedulerActor(Actor):
             if not outputs:
                 return
 
-    def _emit(self, outputs: list[RequestOutput]) -> None:
+    def _emit(self, outputs: list[RequestOutput | TokenPair]) -> None:
         if not outputs:
             return
         self.latency.record(self.core, outputs)
         for out in outputs:
-            if out.finished:
+            if type(out) is not tuple and out.finished:
                 key = "cancelled" if out.finish_reason in _CANCELLED else "finished"
                 self.counters[key] += 1
         self.tokenizer.put(am.StepOutputs(tuple(outputs)))

@@ -87,8 +87,7 @@ class FrameSink:
         self.gateway = gateway
 
     def send(self, connection: bytes, messages: list) -> None:
-        frame = self.codec.pack_envelopes([self.codec.envelope(msg) for msg in messages])
-        self.gateway.put(am.Outbound(connection, (frame,)))
+        self.gateway.put(am.Outbound(connection, (self.codec.encode_batch(messages),)))
 
 
 @dataclass

@@ -375,10 +375,19 @@ class Tokenizer(Actor):
         self._render_all(list(msg.outputs))
 
     def _render_all(self, outputs: list) -> None:
+        requests = self.requests
         self.unhandled, self.handling = outputs, 0
         for i, out in enumerate(outputs):
             self.handling = i
-            state = self.requests.get(out.request_id)
+            if type(out) is tuple:  # a `TokenPair`: the request goes on with one token
+                rid, token_id = out
+                state = requests.get(rid)
+                if state is not None:
+                    self.culprit = rid
+                    self._render_token(rid, token_id, state, self._outbox(state.reply_to))
+                    self.culprit = None
+                continue
+            state = requests.get(out.request_id)
             if state is not None:
                 self.culprit = out.request_id
                 self._render(out, state, self._outbox(state.reply_to))
@@ -406,6 +415,16 @@ class Tokenizer(Actor):
             if self.stream_users[address] <= 0:  # its last request ended: hang up
                 del self.stream_users[address]
                 self.streams.forget(address)
+
+    def _render_token(self, request_id: str, token_id: int, state: _Detok, sent: list) -> None:
+        """`_render` of an output that is one token without logprobs, the request going on."""
+        rendered = state.text
+        if rendered.stopped:  # its text ended at a stop string: only its end is awaited
+            return
+        ids = (token_id,)
+        sent.append(_chunk(state.client_id, rendered.push(ids), ids, None))
+        if rendered.stopped:
+            self.scheduler.put(am.StopMatched(request_id))
 
     def _render(self, out, state: _Detok, sent: list) -> None:
         rendered = state.text

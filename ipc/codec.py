@@ -274,6 +274,7 @@ def _plain_decoder(cls: type, fields: list, hints: dict,
 
 
 _SCHEMAS: dict[type, _Schema] = {}
+_CHUNK_TAG = m.Chunk.TAG
 
 
 def _schema(cls: type) -> _Schema:
@@ -369,7 +370,16 @@ class Codec:
         return self._packer.pack(envelopes)
 
     def encode_batch(self, msgs: Iterable[Any]) -> bytes:
-        return self.pack_envelopes([self.envelope(msg) for msg in msgs])
+        envelopes = []
+        add = envelopes.append
+        for msg in msgs:
+            if type(msg) is m.Chunk and msg.logprobs is None:
+                # nearly every message a daemon sends: its envelope made here, the fields'
+                # values as they are (a frozen dataclass's `__dict__` holds exactly those)
+                add([m.PROTOCOL_MAJOR, m.PROTOCOL_MINOR, _CHUNK_TAG, msg.__dict__.copy()])
+            else:
+                add(self.envelope(msg))
+        return self.pack_envelopes(envelopes)
 
     def decode(self, frame: bytes) -> Any:
         raw = self._unpack(frame)

@@ -11,7 +11,7 @@ import itertools
 from collections import deque
 
 from sluice.actors.scheduler.scheduler import Scheduler
-from sluice.actors.scheduler.plan import RequestOutput, StepPlan
+from sluice.actors.scheduler.plan import RequestOutput, StepPlan, TokenPair
 
 
 LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -60,7 +60,7 @@ class LatencyLog:
         self.histograms = histograms
         self.buckets: dict[tuple[str, str], Buckets] = {}
 
-    def record(self, core: Scheduler, outputs: list[RequestOutput]) -> None:
+    def record(self, core: Scheduler, outputs: list[RequestOutput | TokenPair]) -> None:
         now = core.clock()
         produced = 0
         last_token = self.last_token
@@ -68,8 +68,10 @@ class LatencyLog:
         # in the same earlier step share one inter-token latency, observed once per group
         gaps: dict[tuple[float, str, int], int] = {}
         for out in outputs:
-            rid = out.request_id
-            n = len(out.new_token_ids)
+            if type(out) is tuple:  # a `TokenPair`: one token, the request goes on
+                rid, n, finished = out[0], 1, False
+            else:
+                rid, n, finished = out.request_id, len(out.new_token_ids), out.finished
             if n:
                 seen = last_token.get(rid)
                 if seen is not None:
@@ -82,7 +84,7 @@ class LatencyLog:
                     self._observe("ttft", now - (request.arrival_time or now), tenant)
                     last_token[rid] = [now, tenant]
                     produced += n
-            if out.finished:
+            if finished:
                 last_token.pop(rid, None)
         for (previous, tenant, n), count in gaps.items():
             self._observe("itl", (now - previous) / n, tenant, count)

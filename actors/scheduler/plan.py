@@ -21,7 +21,7 @@ from sluice.ipc.vocabulary import FinishReason, InvalidParams, SamplingParams
 _new_tuple = tuple.__new__
 
 __all__ = ["InvalidParams", "RequestCost", "RequestOutput", "SampledToken", "SamplingParams",
-           "ScheduledSeq", "StepPlan", "StepResult"]
+           "ScheduledSeq", "StepPlan", "StepResult", "TokenPair"]
 
 
 @dataclass
@@ -128,6 +128,12 @@ class StepResult:
         new, token = _new_tuple, SampledToken
         return cls(step_id, {rid: new(token, t) if t[2] is None else token.from_plain(t)
                              for rid, t in sampled.items()}, seconds)
+
+
+# One plain token of a request that goes on: (request id, token id). What `Scheduler.update`
+# gives, when asked for it, in place of a `RequestOutput` that would carry nothing else (most
+# outputs of a step): one object per token fewer for the daemon to build and read.
+TokenPair = tuple[str, int]
 
 
 @dataclass(frozen=True)

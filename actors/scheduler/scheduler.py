@@ -31,7 +31,7 @@ from sluice.actors.scheduler.config import SchedulerConfig, TenantConfig
 from sluice.actors.scheduler.errors import InvalidRequest, Overloaded, TooLong
 from sluice.actors.scheduler.invariants import check_invariants
 from sluice.actors.scheduler.kv_cache import KVCacheManager
-from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult
+from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult, TokenPair
 from sluice.actors.scheduler.planner import Planner
 from sluice.actors.scheduler.policy import make_policy
 from sluice.actors.scheduler.request import FAILED_REASONS, Request, RequestState
@@ -206,8 +206,12 @@ class Scheduler:
         return self.planner.schedule(token_budget)
 
     # -- results ----------------------------------------------------------------------------
-    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Apply one executed step: advance computed tokens, append samples, end what is done."""
+    def update(self, plan: StepPlan, result: StepResult, *,
+               pairs: bool = False) -> list[RequestOutput | TokenPair]:
+        """Apply one executed step: advance computed tokens, append samples, end what is done.
+
+        With `pairs`, a request that goes on with one token and asked for no logprobs gets a
+        `TokenPair` instead of a `RequestOutput`; otherwise every output is a `RequestOutput`."""
         outputs, self._pending_outputs = self._pending_outputs, []
         now = self.clock()
         kv, ledger, tenants = self.kv_cache, self.ledger, self.ledger.tenants
@@ -243,12 +247,16 @@ class Scheduler:
             ledger.charge_decode(tenant)
             token_id = token[0]
             reason = request.sampled(token_id, now, max_model_len)
+            logprobs = request.sampling.logprobs is not None
             if reason is not None:
                 output = self._end(request, reason, RequestState.FINISHED)
                 output.new_token_ids = [token_id]
+            elif pairs and not logprobs:
+                outputs.append((request.request_id, token_id))
+                continue
             else:
                 output = RequestOutput(request.request_id, [token_id])
-            if request.sampling.logprobs is not None:
+            if logprobs:
                 output.logprobs = [token]
             outputs.append(output)
         self.bisection.step_done(plan, self.requests)

@@ -226,3 +226,13 @@ def test_batches_keep_order_and_single_frames_still_decode() -> None:
     assert codec.decode_batch(codec.encode(msgs[0])) == msgs[:1]
     with pytest.raises(CodecError):
         codec.decode_batch(msgpack.packb([[1, 0, 18, {}], "junk"]))
+
+
+def test_a_batch_of_chunks_encodes_as_each_chunk_alone_does() -> None:
+    codec = Codec()
+    logprobs = (m.TokenLogprobs("x", -0.5, (m.TopLogprob(1, "x", -0.5),)),)
+    chunks = [m.Chunk("a", "x", (1,)), m.Chunk("b", "", ()), m.Chunk("a", "x", (1,), logprobs),
+              codec.decode(codec.encode(m.Chunk("c", "yz", (2, 3))))]
+    frame = codec.encode_batch(chunks)
+    assert msgpack.unpackb(frame) == [msgpack.unpackb(codec.encode(c)) for c in chunks]
+    assert codec.decode_batch(frame) == chunks
