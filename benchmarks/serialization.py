@@ -14,7 +14,8 @@ What is counted:
   with the same codec and are counted once, as theirs), wherever they are called, and the
   compact-form reads and writes of a plan or result (`decode_compact`/`encode_compact`, the
   null executor's, which stands in for the worker process);
-- the client codec's `envelope` of a `Chunk` (the frame the client receives);
+- the client codec's encoding of a `Chunk` (`envelope`, or `encode_batch`, which makes most
+  envelopes inline: the frame the client receives);
 - besides, every msgpack call the daemon makes, by the function that made it, as a check
   that nothing encodes outside the codecs above.
 
@@ -132,13 +133,26 @@ def _instrument() -> None:
     codec.decode_compact = as_worker_protocol(codec.decode_compact, "decode",
                                               lambda args: args[1].__name__)
 
-    envelope = Codec.envelope
+    envelope, encode_batch = Codec.envelope, Codec.encode_batch
+    inside_batch = [0]  # a batch counts its messages itself (it makes most envelopes inline)
 
     def counted_envelope(self, msg):
-        _hop(type(msg).__name__, "encode", "client codec")
+        if not inside_batch[0]:
+            _hop(type(msg).__name__, "encode", "client codec")
         return envelope(self, msg)
 
+    def counted_encode_batch(self, msgs):
+        msgs = list(msgs)
+        for msg in msgs:
+            _hop(type(msg).__name__, "encode", "client codec")
+        inside_batch[0] += 1
+        try:
+            return encode_batch(self, msgs)
+        finally:
+            inside_batch[0] -= 1
+
     Codec.envelope = counted_envelope
+    Codec.encode_batch = counted_encode_batch
 
     # the worker protocol, wherever a module imported its functions by name
     for name in [n for n in vars(worker) if n.startswith(("encode_", "decode_"))]:
@@ -175,11 +189,11 @@ def _instrument() -> None:
     update = Scheduler.update
 
     @functools.wraps(update)
-    def counted_update(self, plan, result):
+    def counted_update(self, plan, result, **kwargs):
         if plan.seqs:
             TALLY.steps += 1
             TALLY.sampled += len(result.sampled)
-        return update(self, plan, result)
+        return update(self, plan, result, **kwargs)
 
     Scheduler.update = counted_update
 
