@@ -212,8 +212,27 @@ async def _drive(args: argparse.Namespace) -> dict:
                      "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
                      "--json"]
             done = await trio.run_process(bench, capture_stdout=True, check=True)
+            kv = await _kv_after(config.control)
             daemon.stop()
-    return json.loads(done.stdout)
+    return {**json.loads(done.stdout), "kv_after": kv}
+
+
+async def _kv_after(control: str, timeout: float = 10.0) -> dict:
+    """The KV pool once every request has ended: blocks still in use, whether every block is
+    accounted for, and what the scheduler's invariant check found."""
+    from sluice.ipc.control import fetch_status
+
+    with trio.move_on_after(timeout):
+        while True:
+            report = await fetch_status(control, check_invariants=True)
+            live = report.requests.waiting + report.requests.running + report.requests.paused
+            if live == 0 and report.kv.used_blocks == 0:
+                break
+            await trio.sleep(0.05)
+    kv = report.kv
+    return {"used_blocks": kv.used_blocks,
+            "accounted": kv.free_blocks + kv.cached_blocks + kv.used_blocks == kv.total_blocks,
+            "invariant_errors": list(report.invariant_errors)}
 
 
 def _rows(counter: Counter, steps: int) -> list[dict]:
@@ -238,6 +257,7 @@ def main() -> None:
         # each hop that encodes or decodes the tokens is one pass, however many calls it takes
         "passes_per_token": len(token_rows),
         "token_passes": token_rows,
+        "kv_after": bench["kv_after"],
         "plan_passes": _rows(TALLY.plan_passes, steps),
         "msgpack_calls_per_step": {
             call: round(n / max(1, steps), 2) for call, n in TALLY.msgpack_calls.most_common()
@@ -254,6 +274,9 @@ def main() -> None:
     print("\nthe step plan on its way to the worker:")
     for row in report["plan_passes"]:
         print(f"  {row['hop']:<32} {row['op']:<7} {row['by']:<16} {row['per_step']:8.2f} calls/step")
+    kv = report["kv_after"]
+    print(f"\nKV after the run: {kv['used_blocks']} blocks in use, every block accounted for: "
+          f"{kv['accounted']}, invariant errors: {kv['invariant_errors'] or 'none'}")
     print("\nevery msgpack call of the daemon, per step:")
     for call, per_step in report["msgpack_calls_per_step"].items():
         print(f"  {per_step:8.2f}  {call}")
