@@ -93,15 +93,25 @@ class _Pending:
         await trio.lowlevel.wait_task_rescheduled(abort)
 
 
+def most_chunks(sampling: SamplingParams) -> int:
+    """The most chunks a request with `sampling` can be sent: one per token at most, and one
+    more with the text held back for its stop strings when it ends (held only if it has
+    some). Credits past that are never used."""
+    return sampling.max_tokens + (1 if sampling.stop else 0)
+
+
 class AsyncGeneration:
     """One request's stream of chunks; iterate it, `cancel()` it, then read `result`."""
 
     def __init__(self, client: AsyncClient, request_id: str, credit_window: int,
-                 pending: _Pending):
+                 pending: _Pending, most_chunks: int):
         self._client = client
         self.request_id = request_id
         self.prompt_tokens = 0
         self._grant_every = max(1, credit_window // 2)
+        # the credits it may still need beyond its window: a request sends at most
+        # `most_chunks` chunks (see `most_chunks`), so a grant past that would go unused
+        self._grantable = max(0, most_chunks - credit_window)
         self._pending = pending
         self._text: list[str] = []
         self._ids: list[int] = []
@@ -134,7 +144,7 @@ class AsyncGeneration:
                         self._logprobs = []
                     self._logprobs.extend(item.logprobs)
                 self._ungranted += 1
-                if self._ungranted >= self._grant_every:
+                if self._ungranted >= self._grant_every and self._grantable:
                     await self._grant()
                 return item
             if isinstance(item, m.Finished):
@@ -156,9 +166,11 @@ class AsyncGeneration:
         return self.result
 
     async def _grant(self) -> None:
-        """Give back the credits of the chunks taken since the last grant (half a window)."""
-        grant, self._ungranted = self._ungranted, 0
-        if not self._pending.finished:  # an ended request has no use for credits
+        """Give back the credits of the chunks taken since the last grant (half a window), as
+        far as the request can still use them."""
+        grant, self._ungranted = min(self._ungranted, self._grantable), 0
+        if grant and not self._pending.finished:  # an ended request has no use for credits
+            self._grantable -= grant
             await self._client._send(m.Credit(self.request_id, grant))
 
     def _finish(self, item: m.Finished) -> None:
@@ -261,7 +273,7 @@ class AsyncClient:
         pending = _Pending()
         self._pending[rid] = pending
         await self._send_frame(frame)
-        generation = AsyncGeneration(self, rid, window, pending)
+        generation = AsyncGeneration(self, rid, window, pending, most_chunks(sampling))
         first = await self._next_item(pending)
         if isinstance(first, m.Rejected):
             self._forget(rid)

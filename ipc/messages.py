@@ -130,6 +130,9 @@ class Credit:
     TAG: ClassVar[int] = 2
     request_id: str
     chunks: int  # how many more chunks the client can take
+    # A request is sent at most `sampling.max_tokens` chunks with tokens, and one without,
+    # carrying the text held back for its stop strings (only with stop strings): credits
+    # past that are never used.
 
 
 @dataclass(frozen=True)

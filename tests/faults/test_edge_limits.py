@@ -5,7 +5,9 @@
 - the client library knows the limit from `ServerInfo` and refuses such a request itself;
 - a connection holds at most `max_requests_per_connection` open requests;
 - credits are clamped to `max_credits`: no more chunks are sent ahead than that, and the
-  client library, told the clamp by `ServerInfo`, never waits on a window wider than it.
+  client library, told the clamp by `ServerInfo`, never waits on a window wider than it;
+- the library grants no credit a request cannot use, and still streams every request to its
+  end.
 """
 
 from __future__ import annotations
@@ -135,6 +137,31 @@ async def test_a_window_wider_than_the_clamp_still_streams_to_the_end(null_daemo
 
     with trio.fail_after(30):
         await trio.to_thread.run_sync(blocking)
+
+
+async def test_the_library_grants_only_credits_a_request_can_use(null_daemon) -> None:
+    handle = await null_daemon()
+    with trio.fail_after(30):
+        async with AsyncClient(handle.listen, credit_window=4) as client:
+            granted: list[int] = []
+            send = client._send
+
+            async def spy(msg) -> None:
+                if isinstance(msg, m.Credit):
+                    granted.append(msg.chunks)
+                await send(msg)
+
+            client._send = spy
+            # (max_tokens, stop strings, credits the request can use beyond its window of 4)
+            for max_tokens, stop, usable in ((4, (), 0), (3, (), 0), (4, ("never said",), 1),
+                                             (10, (), 6), (10, ("never said",), 7)):
+                granted.clear()
+                result = await (await client.generate(
+                    "x", max_tokens=max_tokens, ignore_eos=True, stop=stop)).collect()
+                assert (len(result.token_ids), result.finish_reason) == (max_tokens, "length")
+                assert sum(granted) <= usable, (max_tokens, stop, granted)
+                if usable >= 2:  # half a window was taken before the end: it was given back
+                    assert granted, (max_tokens, stop)
 
 
 def test_no_credit_at_all_is_refused_as_a_setting() -> None:
