@@ -78,17 +78,20 @@ class NullExecutor(Actor):
         cycle, period = self.token_cycle, len(self.token_cycle)
         asks = [SamplingParams.from_plain(params).logprobs for params in samplings]
         # each seq: [rid, tokens, start, table, sample, params, generated, ...]
-        sampled = {seq[0]: _certain(cycle[seq[6] % period], asks[seq[5]])
-                   for seq in seqs if seq[4]}
-        self.scheduler.put(ResultFrame(CODEC.encode_compact(StepResult, [step_id, sampled, 0.0])))
+        sampling = [seq for seq in seqs if seq[4]]
+        tokens = [cycle[seq[6] % period] for seq in sampling]
+        detailed = None
+        if any(ask is not None for ask in asks):
+            detailed = {seq[0]: _certain(token, asks[seq[5]])
+                        for seq, token in zip(sampling, tokens) if asks[seq[5]] is not None}
+        plain = [step_id, [seq[0] for seq in sampling], tokens, detailed or None, 0.0]
+        self.scheduler.put(ResultFrame(CODEC.encode_compact(StepResult, plain)))
 
     async def on_crash(self, exc: BaseException) -> None:
         self.scheduler.put(am.WorkerLost(f"null executor crashed: {type(exc).__name__}"))
 
 
-def _certain(token_id: int, logprobs: int | None) -> list:
-    """The cycle's next token (`SampledToken`'s compact form): certain, so its logprob is 0
-    and it is its only alternative."""
-    if logprobs is None:
-        return [token_id, None, None]
+def _certain(token_id: int, logprobs: int) -> list:
+    """The full form of the cycle's next token for a request that asked for logprobs: certain,
+    so its logprob is 0 and it is its only alternative."""
     return [token_id, 0.0, [(token_id, 0.0)] if logprobs else None]

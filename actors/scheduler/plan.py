@@ -114,20 +114,28 @@ class SampledToken(NamedTuple):
 @dataclass
 class StepResult:
     step_id: int
-    # one entry per scheduled sequence whose `sample` was true
-    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # one entry per scheduled sequence whose `sample` was true: the token's id, or its
+    # `SampledToken` when it carries logprobs (a decoded result holds plain ids for the rest)
+    sampled: dict[str, int | SampledToken] = field(default_factory=dict)
     forward_seconds: float = 0.0
 
     def to_plain(self) -> list:
-        sampled = {rid: t.to_plain() for rid, t in self.sampled.items()}
-        return [self.step_id, sampled, self.forward_seconds]
+        # columns, not one list per token: the ids of the requests, their tokens' ids, and
+        # the full form of only the tokens that carry logprobs (None if none does)
+        sampled = self.sampled
+        tokens = [t if type(t) is int else t[0] for t in sampled.values()]
+        detailed = {rid: t for rid, t in sampled.items()
+                    if type(t) is not int and (t[1] is not None or t[2] is not None)}
+        return [self.step_id, list(sampled), tokens, detailed or None, self.forward_seconds]
 
     @classmethod
     def from_plain(cls, plain: list | tuple) -> StepResult:
-        step_id, sampled, seconds = plain
-        new, token = _new_tuple, SampledToken
-        return cls(step_id, {rid: new(token, t) if t[2] is None else token.from_plain(t)
-                             for rid, t in sampled.items()}, seconds)
+        step_id, rids, tokens, detailed, seconds = plain
+        sampled = dict(zip(rids, tokens))
+        if detailed:
+            for rid, token in detailed.items():
+                sampled[rid] = SampledToken.from_plain(token)
+        return cls(step_id, sampled, seconds)
 
 
 # One plain token of a request that goes on: (request id, token id). What `Scheduler.update`

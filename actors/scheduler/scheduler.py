@@ -31,7 +31,8 @@ from sluice.actors.scheduler.config import SchedulerConfig, TenantConfig
 from sluice.actors.scheduler.errors import InvalidRequest, Overloaded, TooLong
 from sluice.actors.scheduler.invariants import check_invariants
 from sluice.actors.scheduler.kv_cache import KVCacheManager
-from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult, TokenPair
+from sluice.actors.scheduler.plan import (RequestOutput, SampledToken, StepPlan, StepResult,
+                                         TokenPair)
 from sluice.actors.scheduler.planner import Planner
 from sluice.actors.scheduler.policy import make_policy
 from sluice.actors.scheduler.request import FAILED_REASONS, Request, RequestState
@@ -245,7 +246,7 @@ class Scheduler:
             if request.state is not DECODING:  # its first token: the prompt is computed
                 self.table.prefill_done(request, now)
             ledger.charge_decode(tenant)
-            token_id = token[0]
+            token_id = token if type(token) is int else token[0]  # an id alone: no logprobs
             reason = request.sampled(token_id, now, max_model_len)
             logprobs = request.sampling.logprobs is not None
             if reason is not None:
@@ -257,7 +258,7 @@ class Scheduler:
             else:
                 output = RequestOutput(request.request_id, [token_id])
             if logprobs:
-                output.logprobs = [token]
+                output.logprobs = [SampledToken(token) if type(token) is int else token]
             outputs.append(output)
         self.bisection.step_done(plan, self.requests)
         return outputs

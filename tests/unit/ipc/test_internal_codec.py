@@ -98,9 +98,11 @@ def test_a_step_plan_and_its_result_cross_whole() -> None:
     back = roundtrip(plan)
     assert back == plan
     assert back.seqs[0].sampling is back.seqs[2].sampling  # equal params sent once
-    result = StepResult(7, {"a/1": SampledToken(3, -0.1, [(3, -0.1), (4, -2.0)]),
-                            "a/2": SampledToken(9)}, 0.004)
+    result = StepResult(7, {"a/1": SampledToken(3, -0.1, [(3, -0.1), (4, -2.0)]), "a/2": 9},
+                        0.004)
     assert roundtrip(result) == result
+    # a token without logprobs crosses as its id alone
+    assert roundtrip(StepResult(7, {"a/2": SampledToken(9)})).sampled == {"a/2": 9}
 
 
 def test_a_compact_form_read_or_written_by_hand_is_the_objects_own() -> None:
@@ -108,8 +110,9 @@ def test_a_compact_form_read_or_written_by_hand_is_the_objects_own() -> None:
     step_id, samplings, seqs = CODEC.decode_compact(worker.encode_plan(plan), StepPlan)
     assert step_id == 7 and seqs[0][0] == "a/1" and seqs[0][6] == 5
     assert SamplingParams.from_plain(samplings[0]) == SAMPLING
-    result = StepResult(7, {"a/1": SampledToken(3, -0.1, [(3, -0.1)])}, 0.0)
-    by_hand = CODEC.encode_compact(StepResult, [7, {"a/1": [3, -0.1, [(3, -0.1)]]}, 0.0])
+    result = StepResult(7, {"a/1": SampledToken(3, -0.1, [(3, -0.1)]), "a/2": 8}, 0.0)
+    by_hand = CODEC.encode_compact(StepResult, [7, ["a/1", "a/2"], [3, 8],
+                                                {"a/1": [3, -0.1, [(3, -0.1)]]}, 0.0])
     assert worker.decode_result(by_hand) == result
     with pytest.raises(TypeError, match="expected a StepPlan, got a StepResult"):
         CODEC.decode_compact(by_hand, StepPlan)
