@@ -224,14 +224,14 @@ class Stream(Actor):
     # -- from the tokenizer -----------------------------------------------------------------
 
     async def on_deliver(self, msg: am.Deliver) -> None:
-        requests, send = self.requests, self._send
+        requests, send, chunk = self.requests, self.outgoing.append, m.Chunk
         for item in msg.messages:
             request = requests.get(item.request_id)
             if request is None:  # ended already (cancelled, failed); late output is dropped
                 if self.abandoned:
                     self._late_end(item)
                 continue
-            if isinstance(item, m.Chunk):
+            if type(item) is chunk:
                 if request.credits > 0 and not request.buffer and request.paused_since is None:
                     request.credits -= 1  # the common case: nothing waits, a credit is there
                     if not request.first_sent and item.token_ids:

@@ -150,7 +150,6 @@ class Tokenizer(Actor):
     def reset(self) -> None:
         self.in_hand: am.Encode | None = None  # the request being tokenized, for on_crash
         self.failed_long: am.Encode | None = None  # the long prompt whose tokenizing raised
-        self.culprit: str | None = None  # the request whose output is being rendered
         self.deliveries: dict[str, list] = {}  # stream address -> messages
         self.records: list = []  # usage records of unattended requests, sent after the message
         self.unhandled: list = []  # the outputs of the step being rendered
@@ -375,23 +374,34 @@ class Tokenizer(Actor):
         self._render_all(list(msg.outputs))
 
     def _render_all(self, outputs: list) -> None:
-        requests = self.requests
-        self.unhandled, self.handling = outputs, 0
-        for i, out in enumerate(outputs):
-            self.handling = i
-            if type(out) is tuple:  # a `TokenPair`: the request goes on with one token
+        requests, deliveries = self.requests, self.deliveries
+        self.unhandled = outputs
+        i = 0
+        try:
+            for i, out in enumerate(outputs):
+                if type(out) is not tuple:
+                    state = requests.get(out.request_id)
+                    if state is not None:
+                        self._render(out, state, self._outbox(state.reply_to))
+                    continue
+                # a `TokenPair`: the request goes on with one token (the common case, inline)
                 rid, token_id = out
                 state = requests.get(rid)
-                if state is not None:
-                    self.culprit = rid
-                    self._render_token(rid, token_id, state, self._outbox(state.reply_to))
-                    self.culprit = None
-                continue
-            state = requests.get(out.request_id)
-            if state is not None:
-                self.culprit = out.request_id
-                self._render(out, state, self._outbox(state.reply_to))
-                self.culprit = None
+                if state is None:
+                    continue
+                rendered = state.text
+                if rendered.stopped:  # its text ended at a stop string: its end is awaited
+                    continue
+                sent = deliveries.get(state.reply_to)
+                if sent is None:
+                    sent = deliveries[state.reply_to] = []
+                sent.append(_chunk(state.client_id, rendered.push_one(token_id), (token_id,),
+                                   None))
+                if rendered.stopped:
+                    self.scheduler.put(am.StopMatched(rid))
+        except BaseException:
+            self.handling = i  # the output in hand: `on_crash` ends its request
+            raise
         self.unhandled, self.handling = [], 0
         self._deliver()
 
@@ -415,16 +425,6 @@ class Tokenizer(Actor):
             if self.stream_users[address] <= 0:  # its last request ended: hang up
                 del self.stream_users[address]
                 self.streams.forget(address)
-
-    def _render_token(self, request_id: str, token_id: int, state: _Detok, sent: list) -> None:
-        """`_render` of an output that is one token without logprobs, the request going on."""
-        rendered = state.text
-        if rendered.stopped:  # its text ended at a stop string: only its end is awaited
-            return
-        ids = (token_id,)
-        sent.append(_chunk(state.client_id, rendered.push(ids), ids, None))
-        if rendered.stopped:
-            self.scheduler.put(am.StopMatched(request_id))
 
     def _render(self, out, state: _Detok, sent: list) -> None:
         rendered = state.text
@@ -465,10 +465,18 @@ class Tokenizer(Actor):
         sent.extend((am.Ending(state.client_id, cost, recorded), finished))
         self._end(out.request_id)
 
+    def _rendering(self) -> str | None:
+        """The request whose output was being rendered when the actor crashed, if any."""
+        if self.handling >= len(self.unhandled):
+            return None
+        out = self.unhandled[self.handling]
+        rid = out[0] if type(out) is tuple else out.request_id
+        return rid if rid in self.requests else None
+
     async def on_crash(self, exc: BaseException) -> None:
         why = f"tokenizer failed: {type(exc).__name__}"
         hand, self.in_hand = self.failed_long or self.in_hand, None
-        culprit = self.culprit or (hand.request_id if hand is not None else None)
+        culprit = self._rendering() or (hand.request_id if hand is not None else None)
         failed = self._end(culprit) if culprit else None
         if failed is not None:
             self._outbox(failed.reply_to).extend((

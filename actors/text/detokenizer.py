@@ -52,6 +52,22 @@ class IncrementalDetokenizer:
             return ""
         if not self._stop:  # nothing is ever held back
             return self._emit(delta)
+        return self._release(delta)
+
+    def push_one(self, token_id: int) -> str:
+        """`push` of one token (a decode step's), with fewer calls."""
+        if self.stopped:
+            return ""
+        delta = self._step(token_id)
+        if not delta:
+            return ""
+        if not self._stop:
+            self._released.append(delta)
+            return delta
+        return self._release(delta)
+
+    def _release(self, delta: str) -> str:
+        """What of the held text and `delta` can be sent, given the stop strings."""
         buffer = self._held + delta
         match = self._first_stop(buffer)
         if match is not None:

@@ -36,6 +36,14 @@ class RequestText:
         self.stopped = detok.stopped
         return text
 
+    def push_one(self, token_id: int) -> str:
+        """`push` of one token, the common case, without building a sequence for it."""
+        self.completion_tokens += 1
+        detok = self._detok
+        text = detok.push_one(token_id)
+        self.stopped = detok.stopped
+        return text
+
     def end(self, reason: FinishReason | None) -> str:
         """The request ended for `reason`: the held-back text it releases ("" if none)."""
         return self._detok.flush() if reason in RELEASES_HELD_TEXT else ""
