@@ -45,12 +45,12 @@ Handler = Callable[[Any], Awaitable[None]]
 # the worker's encoding (the executor relays their bytes), its outputs (built for the
 # tokenizer and given away), the chunks rendered from them, the client frames encoded from
 # those, the client's own messages (decoded once, at the gateway), a request's way to
-# admission (Encode, Admit, Admitted) and the usage records of its end. All but StepOutputs
+# admission (Encode, Admit) and the usage records of its end. All but StepOutputs
 # are frozen and built of immutable values.
 HANDED_OVER = frozenset({
     worker.PlanFrame, worker.ResultFrame, am.StepOutputs, am.Deliver, am.Outbound,
     m.Generate, m.Credit, m.Cancel, m.Heartbeat,
-    am.Encode, am.Admit, am.Admitted, am.Ended,
+    am.Encode, am.Admit, am.Ended,
 })
 _GIVEN_AWAY = frozenset({am.StepOutputs})  # mutable, but the sender keeps no reference
 # tests set this to check, at every hand-over, that a frozen message holds no mutable value

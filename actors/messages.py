@@ -162,14 +162,6 @@ class Encode:
 
 
 @dataclass(frozen=True)
-class Admitted:
-    """Scheduler -> Tokenizer: the core accepted the request."""
-
-    request_id: str
-    prompt_tokens: int
-
-
-@dataclass(frozen=True)
 class AdmissionRefused:
     """Scheduler -> Tokenizer: the core refused the request (too long, quota, overloaded...);
     the Tokenizer tells the client with a `Rejected`."""
@@ -184,9 +176,14 @@ class AdmissionRefused:
 @dataclass(frozen=True)
 class StepOutputs:
     """Scheduler -> Tokenizer: what one iteration produced (a request's plain next token as
-    a `TokenPair`)."""
+    a `TokenPair`), after the requests the core admitted since the last one, each as
+    (request id, prompt tokens): their `Accepted` goes out with the step's chunks, in one
+    frame per connection, not in a frame of its own. The scheduler holds an admission for
+    the step in flight, for `ACCEPTED_HOLD` at most; with none in flight it sends it at
+    once (with no outputs)."""
 
     outputs: tuple[RequestOutput | TokenPair, ...]
+    admitted: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,9 @@ _LOG_LIMITS = Limits()  # request ids carry the client's own id: logged cut to t
 
 _CANCELLED = frozenset((m.FinishReason.CANCELLED, m.FinishReason.TIMEOUT))  # counted apart
 EPOCH_BITS = 32  # the step id sent to the executor: epoch << EPOCH_BITS | the core's step id
+# seconds an admission's `Accepted` may wait to go out with the outputs of the step in flight
+# (and so in the same client frame as that step's chunks) before it goes on its own
+ACCEPTED_HOLD = 0.005
 
 
 class SchedulerActor(Actor):
@@ -120,6 +123,9 @@ class SchedulerActor(Actor):
         self.worker_failure = ""
         self.worker_dtypes = ("", "")  # (weights, KV), from the worker's WorkerReady
         self.waiting_for_room = False
+        # admitted since the last outputs: told to the tokenizer with the next ones
+        self.admitted: list[tuple[str, int]] = []
+        self.admission_held = trio.Event()  # set while some wait for the step in flight
         # the worker's state was known to the old incarnation only: ask again (the answer,
         # WorkerReady or WorkerFailed, lands in the inbox like any announcement)
         self.executor.put(am.AskWorker())
@@ -127,6 +133,7 @@ class SchedulerActor(Actor):
     async def background(self, nursery: trio.Nursery) -> None:
         self.deadline_set = trio.Event()
         nursery.start_soon(self._expire_deadlines)
+        nursery.start_soon(self._send_held_admissions)
 
     async def _expire_deadlines(self) -> None:
         """End requests past their deadline (`timeout`), stepping or not: a request that
@@ -143,6 +150,15 @@ class SchedulerActor(Actor):
             if outputs:
                 self._emit(outputs)
                 self._maybe_step()
+
+    async def _send_held_admissions(self) -> None:
+        """An admission held for the step in flight waits at most `ACCEPTED_HOLD`: a slow or
+        hung step does not hold up its `Accepted`."""
+        while True:
+            await self.admission_held.wait()
+            self.admission_held = trio.Event()
+            await trio.sleep(ACCEPTED_HOLD)
+            self._emit([])  # what a step's outputs did not take meanwhile
 
     def handlers(self) -> dict[type, Handler]:
         return {
@@ -198,8 +214,12 @@ class SchedulerActor(Actor):
         if self.core.next_deadline() is not None:
             self.deadline_set.set()
         self.counters["accepted"] += 1
-        self.tokenizer.put(am.Admitted(msg.request_id, len(msg.prompt_ids)))
+        self.admitted.append((msg.request_id, len(msg.prompt_ids)))
         self._maybe_step()
+        if self.in_flight is None:  # no step's outputs to go with: its `Accepted` goes now
+            self._emit([])
+        else:
+            self.admission_held.set()
 
     async def on_release(self, msg: am.Release) -> None:
         self._emit([out for rid in msg.request_ids
@@ -353,14 +373,17 @@ class SchedulerActor(Actor):
                 return
 
     def _emit(self, outputs: list[RequestOutput | TokenPair]) -> None:
-        if not outputs:
+        """Tell the tokenizer `outputs`, after the admissions held for them."""
+        admitted, self.admitted = self.admitted, []
+        if not outputs and not admitted:
             return
-        self.latency.record(self.core, outputs)
-        for out in outputs:
-            if type(out) is not tuple and out.finished:
-                key = "cancelled" if out.finish_reason in _CANCELLED else "finished"
-                self.counters[key] += 1
-        self.tokenizer.put(am.StepOutputs(tuple(outputs)))
+        if outputs:
+            self.latency.record(self.core, outputs)
+            for out in outputs:
+                if type(out) is not tuple and out.finished:
+                    key = "cancelled" if out.finish_reason in _CANCELLED else "finished"
+                    self.counters[key] += 1
+        self.tokenizer.put(am.StepOutputs(tuple(outputs), tuple(admitted)))
 
     # -- operations ---------------------------------------------------------------------------
 

@@ -182,7 +182,6 @@ class Tokenizer(Actor):
     def handlers(self) -> dict[type, Handler]:
         return {
             am.Encode: self.on_encode,
-            am.Admitted: self.on_admitted,
             am.AdmissionRefused: self.on_admission_refused,
             am.StepOutputs: self.on_step_outputs,
             am.Release: self.on_release,
@@ -288,11 +287,6 @@ class Tokenizer(Actor):
         self._deliver_one(msg.reply_to, m.Rejected(
             msg.generate.request_id, m.RejectCode.INVALID, str(exc), exc.field))
 
-    async def on_admitted(self, msg: am.Admitted) -> None:
-        state = self.requests.get(msg.request_id)
-        if state is not None:
-            self._deliver_one(state.reply_to, m.Accepted(state.client_id, msg.prompt_tokens))
-
     async def on_admission_refused(self, msg: am.AdmissionRefused) -> None:
         state = self._end(msg.request_id)
         if state is not None:
@@ -371,6 +365,11 @@ class Tokenizer(Actor):
             self.scheduler.put(msg)
 
     async def on_step_outputs(self, msg: am.StepOutputs) -> None:
+        requests = self.requests
+        for rid, prompt_tokens in msg.admitted:  # before any chunk of theirs
+            state = requests.get(rid)
+            if state is not None:
+                self._outbox(state.reply_to).append(m.Accepted(state.client_id, prompt_tokens))
         self._render_all(list(msg.outputs))
 
     def _render_all(self, outputs: list) -> None:
