@@ -97,10 +97,13 @@ class LatencyLog:
         if not self.histograms:
             return
         self._count("iteration", seconds, "")
-        self._count("decode_batch", float(plan.decode_tokens), "")
+        decodes = 0  # counted here rather than by `plan.decode_tokens`: one pass, not two
         for seq in plan.seqs:
-            if not (len(seq.token_ids) == 1 and seq.num_generated > 0):  # not a decode
+            if len(seq.token_ids) == 1 and seq.num_generated > 0:
+                decodes += 1
+            else:
                 self._count("prefill_chunk", float(len(seq.token_ids)), "")
+        self._count("decode_batch", float(decodes), "")
 
     def _observe(self, kind: str, seconds: float, tenant: str, count: int = 1) -> None:
         """`count` samples of `seconds`."""
