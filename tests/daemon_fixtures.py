@@ -79,7 +79,6 @@ def daemon_kv_checked(monkeypatch):
     from sluice.daemon.server import Daemon
 
     RECORD.started.clear()
-    RECORD.checked.clear()
     run = Daemon.run
 
     async def recorded_run(self, *, task_status=trio.TASK_STATUS_IGNORED):

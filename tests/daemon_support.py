@@ -35,6 +35,7 @@ class StartedDaemon:
     process: subprocess.Popen | None = None
     stopped: bool = False  # an in-process daemon's run() returned or raised
     kept: bool = False  # a module/session fixture checks it at its own teardown
+    checked: bool = False  # a KV check reached this daemon while it ran
 
     @property
     def alive(self) -> bool:
@@ -45,18 +46,24 @@ class StartedDaemon:
 
 @dataclass
 class DaemonRecord:
-    """Daemons started during the current test, and the control addresses checked."""
+    """Daemons started during the current test, each marked when a KV check reached it.
+
+    A check counts for the daemon that answered it, never for another that used (or later
+    uses) the same control address: it marks only the daemons running on that address now."""
 
     started: list[StartedDaemon] = field(default_factory=list)
-    checked: set[str] = field(default_factory=set)
 
     def start(self, daemon: StartedDaemon) -> StartedDaemon:
         self.started.append(daemon)
         return daemon
 
+    def mark_checked(self, control: str) -> None:
+        for daemon in self.started:
+            if daemon.control == control and daemon.alive:
+                daemon.checked = True
+
     def unchecked_and_stopped(self) -> list[StartedDaemon]:
-        return [d for d in self.started
-                if not d.kept and not d.alive and d.control not in self.checked]
+        return [d for d in self.started if not d.kept and not d.alive and not d.checked]
 
 
 RECORD = DaemonRecord()  # reset by the autouse fixture before each test
@@ -82,7 +89,7 @@ async def assert_drained_and_consistent(control: str, timeout: float = 30.0) -> 
                 break
             await trio.sleep(0.1)
     _verdict(report)
-    RECORD.checked.add(control)
+    RECORD.mark_checked(control)
     return report
 
 
@@ -91,7 +98,7 @@ async def assert_consistent(control: str) -> m.StatusReport:
     block): for a daemon the test is about to stop before it could drain."""
     report = await fetch_status(control, check_invariants=True)
     _verdict(report)
-    RECORD.checked.add(control)
+    RECORD.mark_checked(control)
     return report
 
 
@@ -107,7 +114,7 @@ def assert_drained_and_consistent_sync(control: str, timeout: float = 30.0) -> m
                                  f"{report.requests}, {report.kv}")
         time.sleep(0.1)
     _verdict(report)
-    RECORD.checked.add(control)
+    RECORD.mark_checked(control)
     return report
 
 
@@ -150,6 +157,15 @@ def keep_for_scope(process: subprocess.Popen) -> None:
     for daemon in RECORD.started:
         if daemon.process is process:
             daemon.kept = True
+
+
+def waive_kv_check(process: subprocess.Popen, reason: str) -> None:
+    """Exempt a daemon process the test kills where no KV check can reach it (a worker hung
+    in a step holds the check back), saying why, rather than checking it idle beforehand."""
+    assert reason, "a waived KV check says why"
+    for daemon in RECORD.started:
+        if daemon.process is process:
+            daemon.checked = True
 
 
 def stop_checked(process: subprocess.Popen, control: str) -> None:

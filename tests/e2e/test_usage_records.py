@@ -15,7 +15,7 @@ from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
 
-from daemon_support import http_get, samples
+from daemon_support import assert_drained_and_consistent, http_get, samples
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -141,6 +141,7 @@ async def test_sighup_reopens_the_usage_file_and_a_restart_appends(sluiced, tmp_
     second = await wait_for_records(path, 1)
     assert [r["completion_tokens"] for r in second] == [4]
     assert read_records(tmp_path / "usage.jsonl.1") == first
+    await assert_drained_and_consistent(fields["control"])  # the first daemon, before it stops
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
     process, fields = sluiced(args, log=tmp_path / "second.log")  # restarted

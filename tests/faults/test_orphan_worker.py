@@ -16,7 +16,7 @@ import trio
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status
 
-from daemon_support import assert_consistent
+from daemon_support import waive_kv_check
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,8 +49,8 @@ async def test_a_worker_stuck_in_a_step_dies_when_the_daemon_is_killed(
          "--control", f"ipc://{tmp_path}/control.sock"])
     worker = (await fetch_status(control)).worker.pid
     assert worker > 0 and not _gone(worker)
-    # the check waits for the step in flight to end, and this one never will: check first
-    await assert_consistent(control)
+    waive_kv_check(process, "killed while its worker hangs in a step, which a KV check "
+                            "would wait for; its pool dies with it")
     with trio.fail_after(120):
         async with AsyncClient(listen, daemon_timeout=60) as client:
             await client.generate(prompt_ids=[1, 504, HANG, 282], max_tokens=4, temperature=0)
