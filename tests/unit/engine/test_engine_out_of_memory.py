@@ -20,7 +20,16 @@ def test_a_step_out_of_memory_is_planned_again_smaller(make_engine, smollm_token
     engine = make_engine(num_blocks=64)
     configured = engine.step_budget.configured
     engine.runner.inject_out_of_memory()  # the next forward raises torch.OutOfMemoryError
+    halved = []  # the budgets the step that ran out of memory was planned with
+    out_of_memory = engine.step_budget.out_of_memory
+
+    def recorded(used=None):
+        halved.append(engine.step_budget.planned)
+        return out_of_memory(used)
+
+    engine.step_budget.out_of_memory = recorded
     completions = engine.generate(prompts, GREEDY)
+    assert halved == [configured], "the injected fault fired once, in a full-budget step"
     assert [c.token_ids for c in completions] == expected
     assert [c.finish_reason for c in completions] == ["length", "length"]
     assert engine.step_budget.limit == configured  # doubled back as steps ran
