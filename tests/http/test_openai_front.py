@@ -344,6 +344,26 @@ class held_stream:
         self.sock.close()
 
 
+def events_until_error(sock: socket.socket, timeout: float = 10.0) -> list[dict]:
+    """The server-sent events a held stream reads, up to and with the first error event."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\n\n" not in data.partition(b'data: {"error"')[2]:
+        try:
+            more = sock.recv(65536)
+        except TimeoutError:
+            raise AssertionError(f"no error event in {timeout} s: {data[-300:]!r}") from None
+        assert more, f"the stream closed before an error event: {data[-300:]!r}"
+        data += more
+    events = []
+    for line in data.split(b"\n"):
+        if line.startswith(b"data: {"):
+            events.append(json.loads(line[len(b"data: "):]))
+            if "error" in events[-1]:
+                return events
+    raise AssertionError("no complete error event")
+
+
 async def wait_for(control: str, check, timeout: float = 10.0) -> m.StatusReport:
     with trio.fail_after(timeout):
         while True:
@@ -383,12 +403,16 @@ async def test_a_crash_of_the_front_s_stream_ends_its_requests_and_the_front_ser
 
     # the HTTP requests share one Stream actor: a fault in it ends every request it holds
     monkeypatch.setattr(Stream, "on_cancel", crash)  # a disconnect sends Cancel: it crashes
-    with held_stream(handle, model), held_stream(handle, model) as bystander:
+    with held_stream(handle, model) as held, held_stream(handle, model) as bystander:
         await wait_for(handle.control, lambda r: r.requests.running + r.requests.paused == 2)
         bystander.close()
-        # both end (the other with an error) and hold no block
+        # both end and hold no block ...
         await wait_for(handle.control, lambda r: r.requests.running + r.requests.paused == 0
                        and r.kv.used_blocks == 0)
+        # ... and the one still connected reads, after its chunks, an error event
+        events = await trio.to_thread.run_sync(events_until_error, held)
+        assert events[-1]["error"]["type"] == "server_error", events[-1]
+        assert all("choices" in event for event in events[:-1])
     daemon = handle.daemon
     assert not any(name.startswith("stream-") for name in daemon.supervisor.restarts)
     monkeypatch.undo()
