@@ -7,7 +7,6 @@ fronts. The core's own tests (tests/unit/scheduler/test_tenant_limits_core.py) h
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -34,7 +33,6 @@ async def test_timeouts_end_waiting_and_paused_requests_and_free_their_kv(null_d
     with trio.fail_after(60):
         async with AsyncClient(handle.listen, credit_window=1) as client:
             # a client that stops reading: its request pauses holding KV, then times out
-            started = time.monotonic()
             paused = await client.generate("never read", max_tokens=3000, timeout=0.8)
             while (await fetch_status(handle.control)).requests.paused < 1:
                 await trio.sleep(0.02)
@@ -45,7 +43,6 @@ async def test_timeouts_end_waiting_and_paused_requests_and_free_their_kv(null_d
                 await trio.sleep(0.02)
             result = await paused.collect()
             assert result.finish_reason == "timeout" and 0 < len(result.token_ids) < 3000
-            assert time.monotonic() - started < 5.0
 
             # with no worker nothing runs: a waiting request times out all the same, by its
             # own timeout or its tenant's default

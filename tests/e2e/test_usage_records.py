@@ -165,11 +165,14 @@ async def test_a_held_queue_shows_in_queue_not_in_prefill_or_delivery(null_daemo
         async with AsyncClient(handle.listen) as client:
             waiter = await client.generate("waits for the worker", max_tokens=4)
             await trio.sleep(0.6)
+            recovering = trio.current_time()
             assert (await send_command(handle.control, m.RecoverCommand())).ok
             assert (await waiter.collect()).finish_reason == "length"
+            after_recover = trio.current_time() - recovering
     t = (await wait_for_records(path, 1))[0]["timings"]
     assert t["queue"] >= 0.5  # the wait is the queue's ...
-    assert t["prefill"] < 0.25 and t["ttft"] - t["prefill_done"] < 0.25  # ... not the rest's
+    # ... not the rest's: everything after the queue happened after the recover
+    assert t["ttft"] - t["queue"] <= after_recover
     assert t["ttft"] >= t["queue"]
 
 
@@ -179,14 +182,17 @@ async def test_withheld_credits_show_in_delivery_not_in_queue_or_prefill(null_da
         async with AsyncClient(handle.listen, credit_window=1) as client:
             # more tokens than the stream buffers before it pauses the request, so the
             # request cannot end before the client reads on, however fast the steps are
+            sent = trio.current_time()
             generation = await client.generate("read slowly", max_tokens=1000)
             await generation.__anext__()  # the first chunk used the one credit
+            first_chunk = trio.current_time() - sent
             await trio.sleep(0.5)  # one more credit meanwhile: the stream holds the rest
             result = await generation.collect()
     t = result.timings
     assert result.finish_reason == "length" and len(result.token_ids) == 1000
     assert t.finished - t.first_token >= 0.45  # the wait is delivery's ...
-    assert t.queue < 0.25 and t.prefill < 0.25 and t.ttft < 0.25  # ... not the rest's
+    # ... not the rest's: the daemon's first token left before the client read it
+    assert t.queue <= t.ttft <= first_chunk and t.prefill <= t.ttft
     assert t.tpot == pytest.approx((t.finished - t.first_token) / 999)
 
 
