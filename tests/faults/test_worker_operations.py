@@ -41,7 +41,7 @@ async def test_recover_after_a_worker_loss_on_a_real_worker(model_daemon, offlin
     with trio.fail_after(240):
         async with AsyncClient(model_daemon.listen, daemon_timeout=120) as client:
             waiting = await client.generate(prompt_ids=ids, max_tokens=6, temperature=0)
-            await trio.sleep(0.5)
+            await wait_for(control, lambda r: r.requests.waiting == 1)
             assert not waiting.done  # held, not failed, while no worker runs
             reply = await send_command(control, m.RecoverCommand())
             assert reply.ok, reply.message
