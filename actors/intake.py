@@ -8,7 +8,9 @@ once where the request enters the actor that can make it:
   the `Rejected` the client should get, naming the offending field, or `None`. The Stream
   calls it before anything is held for the request.
 - `check_prompt_form` needs the model (its vocabulary) and raises `InvalidParams` naming
-  the field; the Tokenizer calls it before tokenizing.
+  the field; the Tokenizer calls it before tokenizing, after `check_prompt_length` has
+  refused a token-id prompt longer than the model's context by its length alone (a frame
+  may carry millions of ids: none of them is looked at for a prompt that cannot run).
 
 The sampling parameters' own ranges are not checked here: `SamplingParams` checks them as
 the codec builds it from the frame, and the request carries that object to the worker.
@@ -22,8 +24,8 @@ from __future__ import annotations
 import math
 
 from sluice.actors.limits import Limits
-from sluice.ipc.vocabulary import InvalidParams
 from sluice.ipc import messages as m
+from sluice.ipc.vocabulary import INT64_MAX, InvalidParams, shown
 
 
 def _refuse(msg: m.Generate, code: m.RejectCode, field: str, what: str, limit_name: str,
@@ -62,6 +64,9 @@ def check_generate(msg: m.Generate, limits: Limits) -> m.Rejected | None:
                        "max_prompt_chars", limits.max_prompt_chars)
     if msg.timeout is not None and not 0 < msg.timeout < math.inf:
         return m.Rejected(msg.request_id, invalid, "must be a number of seconds > 0", "timeout")
+    if not -INT64_MAX - 1 <= msg.priority <= INT64_MAX:
+        return m.Rejected(msg.request_id, invalid, f"must be an integer within 64 bits, got "
+                          f"{shown(msg.priority)}", "priority")
     stops = msg.sampling.stop
     if len(stops) > limits.max_stop_strings:
         return _refuse(msg, invalid, "sampling.stop", f"{len(stops)} stop strings",
@@ -71,6 +76,17 @@ def check_generate(msg: m.Generate, limits: Limits) -> m.Rejected | None:
             return _refuse(msg, invalid, f"sampling.stop[{i}]", f"{len(stop)} characters",
                            "max_stop_string_chars", limits.max_stop_string_chars)
     return None
+
+
+def check_prompt_length(msg: m.Generate, max_model_len: int) -> m.Rejected | None:
+    """The rejection of a token-id prompt that leaves no room to generate in the model's
+    context, made before anything looks at (or copies) its ids."""
+    ids = msg.prompt_ids
+    if ids is None or len(ids) + 1 <= max_model_len:
+        return None
+    return m.Rejected(msg.request_id, m.RejectCode.TOO_LONG,
+                      f"prompt_ids: {len(ids)} tokens leave no room to generate within "
+                      f"max_model_len {max_model_len}", "prompt_ids")
 
 
 def check_prompt_form(msg: m.Generate, vocab_size: int) -> None:
@@ -85,10 +101,15 @@ def check_prompt_form(msg: m.Generate, vocab_size: int) -> None:
     if msg.prompt_ids is not None:
         if not msg.prompt_ids:
             raise InvalidParams("prompt_ids", "must not be empty")
-        for i, token in enumerate(msg.prompt_ids):
-            if not 0 <= token < vocab_size:
-                raise InvalidParams(f"prompt_ids[{i}]", f"token {token} is outside the vocabulary")
-    for seq_name in ("stop_token_ids",):
-        for i, token in enumerate(getattr(msg.sampling, seq_name)):
-            if not 0 <= token < vocab_size:
-                raise InvalidParams(f"sampling.{seq_name}[{i}]", "outside the vocabulary")
+        _check_ids("prompt_ids", msg.prompt_ids, vocab_size)
+    _check_ids("sampling.stop_token_ids", msg.sampling.stop_token_ids, vocab_size)
+
+
+def _check_ids(field: str, ids: tuple[int, ...], vocab_size: int) -> None:
+    # min and max run in C; the loop that names the offending id runs only when one is out
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidParams(f"{field}[{i}]", f"token {shown(token)} is outside the "
+                                f"vocabulary (0 to {vocab_size - 1})")

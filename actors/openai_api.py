@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from sluice.ipc import messages as m
-from sluice.ipc.vocabulary import FinishReason, InvalidParams, RejectCode, SamplingParams
+from sluice.ipc.vocabulary import FinishReason, InvalidParams, RejectCode, SamplingParams, shown
 
 # refused by name: a client that relies on one of them must not get a silent wrong answer
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
@@ -83,13 +85,49 @@ class ApiRequest:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body, or a 400 saying what is wrong with it: JSON as
+    RFC 8259 has it (no NaN or Infinity), numbers Python can read (at most 4300 digits),
+    nesting the parser can follow, and strings that are text (no lone UTF-16 surrogate)."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_refuse_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise invalid(None, f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise invalid(None, "the body is not JSON we take: it is nested too deeply") from None
+    except ValueError:  # an integer past Python's digit limit for reading one
+        raise invalid(None, "the body is not JSON we take: it holds an integer of more than "
+                      f"{sys.get_int_max_str_digits()} digits") from None
     if not isinstance(body, dict):
         raise invalid(None, "the body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # `\ud800`: perhaps half of a pair, perhaps alone
+        _refuse_lone_surrogates(body)
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]")
+
+
+def _refuse_constant(name: str) -> None:
+    raise invalid(None, f"the body is not JSON: {name} is not a JSON number")
+
+
+def _refuse_lone_surrogates(body: dict[str, Any]) -> None:
+    """A string with an unpaired surrogate escape is not text: no tokenizer can take it."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError as exc:
+                raise invalid(path or None, f"holds a lone UTF-16 surrogate at character "
+                              f"{exc.start}: not text") from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else key
+                stack += [(where, key), (where, item)]
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
 
 
 def chat_request(body: dict[str, Any], *, request_id: str, tenant: str, credits: int,
@@ -112,6 +150,11 @@ def completion_request(body: dict[str, Any], *, request_id: str, tenant: str, cr
     if isinstance(prompt, str):
         return _request(body, request_id, tenant, credits, max_model_len, chat=False,
                         prompt=prompt)
+    if isinstance(prompt, list) and len(prompt) + 1 > max_model_len:
+        # by its length alone: a body may carry millions of ids, none worth looking at
+        raise ApiError(400, f"prompt: {len(prompt)} tokens leave no room to generate within "
+                       f"max_model_len {max_model_len}", param="prompt",
+                       code="context_length_exceeded")
     if isinstance(prompt, list) and all(_is_int(token) for token in prompt):
         return _request(body, request_id, tenant, credits, max_model_len, chat=False,
                         prompt_ids=tuple(prompt))
@@ -167,8 +210,8 @@ def _request(body: dict[str, Any], request_id: str, tenant: str, credits: int,
             raise invalid("stream_options", "only include_usage is supported")
         include_usage = _typed(options, "include_usage", bool, False, "stream_options.")
     n = body.get("n")
-    if n is not None and n != 1:
-        raise invalid("n", "only n = 1 is supported")
+    if n is not None and not (_is_int(n) and n == 1):
+        raise invalid("n", f"only the integer 1 is supported, got {shown(n)}")
     timeout = None if body.get("timeout") is None else _number(body, "timeout")
     generate = m.Generate(request_id, sampling=_sampling(body, chat, max_model_len),
                           priority=_typed(body, "priority", int, 0), tenant=tenant,
@@ -220,14 +263,14 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     if not chat:
         top = _typed(body, "logprobs", int, None)
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
-            raise invalid("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
+            raise invalid("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {shown(top)}")
         return top
     wanted = _typed(body, "logprobs", bool, False)
     top = _typed(body, "top_logprobs", int, None)
     if top is not None and not wanted:
         raise invalid("top_logprobs", "needs logprobs: true")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
+        raise invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {shown(top)}")
     return (top or 0) if wanted else None
 
 
@@ -246,7 +289,13 @@ def _number(body: dict[str, Any], key: str) -> float:
     value = body[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise invalid(key, "must be a number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past any float
+        number = math.inf
+    if not math.isfinite(number):  # 1e999 reads as infinity
+        raise invalid(key, f"must be a finite number, got {shown(value)}")
+    return number
 
 
 def _is_int(value: Any) -> bool:

@@ -76,32 +76,32 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise InvalidParams("max_tokens", "must be an integer")
-        if self.max_tokens < 1:
-            raise InvalidParams("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        # every integer fits the wire between the daemon's actors and its worker (msgpack
+        # carries 64 bits) and the worker's int64 tensors; every float is finite
+        _check_int("max_tokens", self.max_tokens, 1)
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise InvalidParams("temperature", f"must be >= 0, got {self.temperature!r}")
+            raise InvalidParams("temperature", f"must be >= 0, got {shown(self.temperature)}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidParams("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidParams("top_k", f"must be an integer >= 0, got {self.top_k!r}")
+            raise InvalidParams("top_p", f"must be in (0, 1], got {shown(self.top_p)}")
+        _check_int("top_k", self.top_k, 0)
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise InvalidParams("min_p", f"must be in [0, 1], got {self.min_p!r}")
+            raise InvalidParams("min_p", f"must be in [0, 1], got {shown(self.min_p)}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise InvalidParams(
-                "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}"
+                "repetition_penalty", f"must be > 0, got {shown(self.repetition_penalty)}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
-                raise InvalidParams(name, f"must be in [-2, 2], got {value!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidParams("seed", f"must be a non-negative integer, got {self.seed!r}")
+                raise InvalidParams(name, f"must be in [-2, 2], got {shown(value)}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0)
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20
         ):
-            raise InvalidParams("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
+            raise InvalidParams("logprobs", f"must be in [0, 20], got {shown(self.logprobs)}")
+        for i, token in enumerate(self.stop_token_ids):
+            _check_int(f"stop_token_ids[{i}]", token, 0)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidParams("stop", "stop strings must be non-empty strings")
 
@@ -154,5 +154,30 @@ class SamplingParams:
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
+INT64_MAX = 2**63 - 1  # the largest integer a request may carry anywhere
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    """A finite number; an integer one within 64 bits."""
+    if _is_int(value):
+        return -INT64_MAX - 1 <= value <= INT64_MAX
+    return isinstance(value, float) and value - value == 0.0  # NaN for NaN and infinities
+
+
+def _check_int(field_name: str, value: object, low: int) -> None:
+    if not _is_int(value) or not low <= value <= INT64_MAX:
+        raise InvalidParams(field_name, f"must be an integer in [{low}, 2**63 - 1], "
+                                        f"got {shown(value)}")
+
+
+def shown(value: object) -> str:
+    """A client's value as an error message quotes it: a huge integer by its size alone."""
+    if _is_int(value) and not -10**20 < value < 10**20:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "…"
+
