@@ -7,6 +7,8 @@ came with the model; nothing is downloaded.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 
@@ -47,10 +49,12 @@ class Tokenizer:
         self._template = None
         self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary token
         self._byte_vocabulary: ByteVocabulary | None | bool = False  # False: not built yet
+        self._specials: dict[int, str] | None = None  # special token id -> its spelling
+        self._special_re: re.Pattern | None | bool = False  # False: not built yet
+        self._plain: Backend | None = None  # matches no special token (`_plain_backend`)
 
     def encode(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise InvalidParams("prompt", "must be a string")
+        _check_text("prompt", text)
         ids = self._encode_ids(text)
         if self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
@@ -83,25 +87,107 @@ class Tokenizer:
         _check_messages(messages)
         if self.chat_template is None:
             raise InvalidParams("messages", "this model has no chat template")
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
+        from jinja2.exceptions import TemplateError
+
         token = self.backend.id_to_token
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=token(self.bos_token_id) if self.bos_token_id is not None else "",
-            eos_token=token(min(self.eos_token_ids)) if self.eos_token_ids else "",
-        )
+        try:
+            if self._template is None:
+                self._template = _compile_template(self.chat_template)
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=token(self.bos_token_id) if self.bos_token_id is not None else "",
+                eos_token=token(min(self.eos_token_ids)) if self.eos_token_ids else "",
+            )
+        except TemplateError as exc:  # `raise_exception`: roles that do not alternate, ...
+            raise InvalidParams("messages", "the model's chat template refused them: "
+                                f"{_clipped(str(exc))}") from None
+        except Exception as exc:  # the template's own code failed on these messages
+            raise InvalidParams("messages", "the model's chat template failed on them: "
+                                f"{type(exc).__name__}: {_clipped(str(exc))}") from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        # the template writes any BOS itself; special tokens in it are matched whole
+        """The template's text, tokenized. The template writes any BOS itself, and its special
+        tokens are matched whole; a message's role and content are plain text: where one
+        spells a special token (`<|im_end|>`) it is tokenized as the characters it is, so a
+        message can never close its turn or open another (a forged system prompt)."""
+        pattern = self._special_pattern()
+        spelled: dict[str, str] = {}  # placeholder -> the special token's spelling it stands for
+        if pattern is not None:
+            nonce = f"\ue000{secrets.randbelow(10**12):012d}:"
+
+            def hide(match: re.Match) -> str:
+                placeholder = f"{nonce}{len(spelled)}\ue001"
+                spelled[placeholder] = match.group()
+                return placeholder
+
+            _check_messages(messages)
+            messages = [{**message, "role": pattern.sub(hide, message["role"]),
+                         "content": pattern.sub(hide, message["content"])}
+                        for message in messages]
         text = self.apply_chat_template(messages)
-        return self._encode_ids(text)
+        if not spelled:
+            return self._encode_ids(text)
+        return self._encode_spelled(text, nonce, spelled)
+
+    def _encode_spelled(self, text: str, nonce: str, spelled: dict[str, str]) -> list[int]:
+        """`text` tokenized where its placeholders (each begins with `nonce`) stand for special
+        tokens' spellings: the stretches between two of the template's special tokens that
+        hold a placeholder are tokenized again, placeholders spelled out, with no special
+        token matched."""
+        encoding = self._encoding(self.backend, text)
+        ids, offsets = encoding.ids, encoding.offsets
+        special = self._special_ids()
+        result: list[int] = []
+        run = 0  # the first token of the stretch since the last special token
+        for i in range(len(ids) + 1):
+            if i < len(ids) and ids[i] not in special:
+                continue
+            start = offsets[run - 1][1] if run else 0
+            end = offsets[i][0] if i < len(ids) else len(text)
+            stretch = text[start:end]
+            if nonce in stretch:
+                for placeholder, spelling in spelled.items():
+                    stretch = stretch.replace(placeholder, spelling)
+                result += self._encoding(self._plain_backend(), stretch).ids
+            else:
+                result += ids[run:i]
+            if i < len(ids):
+                result.append(ids[i])
+            run = i + 1
+        return result
+
+    def _special_ids(self) -> frozenset[int]:
+        if self._specials is None:
+            self._specials = {i: token.content for i, token
+                              in self.backend.get_added_tokens_decoder().items() if token.special}
+        return frozenset(self._specials)
+
+    def _special_pattern(self) -> re.Pattern | None:
+        """What matches any special token's spelling (None for a vocabulary without any)."""
+        if self._special_re is False:
+            self._special_ids()
+            spellings = sorted(set(self._specials.values()), key=len, reverse=True)
+            self._special_re = (re.compile("|".join(map(re.escape, spellings)))
+                                if spellings else None)
+        return self._special_re
+
+    def _plain_backend(self) -> Backend:
+        """A copy of the backend that matches no special token: their spellings are text."""
+        if self._plain is None:
+            plain = Backend.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def _encode_ids(self, text: str) -> list[int]:
+        return self._encoding(self.backend, text).ids
+
+    @staticmethod
+    def _encoding(backend: Backend, text: str):
         if len(text) > _RELEASE_GIL_CHARS:
-            return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
-        return self.backend.encode(text, add_special_tokens=False).ids
+            return backend.encode_batch([text], add_special_tokens=False)[0]
+        return backend.encode(text, add_special_tokens=False)
 
 
 def _check_messages(messages) -> None:
@@ -111,8 +197,22 @@ def _check_messages(messages) -> None:
         if not isinstance(message, dict):
             raise InvalidParams(f"messages[{i}]", "must be an object with role and content")
         for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise InvalidParams(f"messages[{i}].{key}", "must be a string")
+            _check_text(f"messages[{i}].{key}", message.get(key))
+
+
+def _check_text(field: str, text: object) -> None:
+    if not isinstance(text, str):
+        raise InvalidParams(field, "must be a string")
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidParams(field, f"holds a lone UTF-16 surrogate at character "
+                                f"{exc.start}: not text") from None
+
+
+def _clipped(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _compile_template(source: str):
