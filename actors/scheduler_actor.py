@@ -22,6 +22,11 @@ loop nor fail the requests beside it. `WorkerFailed` (no worker could start) end
 request with an error saying so, and new requests are refused with that reason until a
 worker is ready again.
 
+A request whose own data makes its admission raise, or its share of a plan impossible to
+encode for the worker (a value the wire cannot carry), ends alone with `error` and its KV is
+freed; the plan is made again without it. That is not a crash: a restart would end every
+request, and count toward the daemon's escalation, for one request's data.
+
 A restart of this actor starts from an empty core and a new epoch: it asks the Executor for
 the worker's state (`AskWorker`) instead of trusting what the old incarnation knew, and the
 step ids it sends carry the epoch, so a late result of a plan of the old epoch is ignored.
@@ -201,15 +206,18 @@ class SchedulerActor(Actor):
             self.tokenizer.put(am.AdmissionRefused(msg.request_id, m.RejectCode.OVERLOADED,
                                          worker_failed_message(self.worker_failure), "worker"))
             return
-        request = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
-                          tenant=msg.tenant, priority=msg.priority, arrival_time=msg.arrival,
-                          timeout=msg.timeout)
         try:
+            request = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
+                              tenant=msg.tenant, priority=msg.priority, arrival_time=msg.arrival,
+                              timeout=msg.timeout)
             self.core.add_request(request)
         except AdmissionError as exc:
             self.counters["rejected"] += 1
             self.tokenizer.put(am.AdmissionRefused(msg.request_id, exc.code, exc.message,
                                                    exc.field, exc.retry_after))
+            return
+        except Exception as exc:  # this request's data broke its admission: it alone ends
+            self._fail_requests([msg.request_id], exc)
             return
         if self.core.next_deadline() is not None:
             self.deadline_set.set()
@@ -360,10 +368,14 @@ class SchedulerActor(Actor):
             decodes = len(core.running) - len(core.prefilling)
             plan = core.schedule(self.step_budget.next(decodes * core.config.decode_weight))
             if plan.seqs:
+                step_id = self._wire_step_id(plan)
+                try:
+                    frame = encode_plan(dataclasses.replace(plan, step_id=step_id))
+                except Exception as exc:  # a request's values cannot reach the worker
+                    self._drop_unsendable(plan, exc)
+                    continue
                 self.in_flight = plan
                 self.step_sent = trio.current_time()
-                step_id = self._wire_step_id(plan)
-                frame = encode_plan(dataclasses.replace(plan, step_id=step_id))
                 self.executor.put(PlanFrame(step_id, frame))
                 return
             # nothing to run (everything paused or waiting for KV); flush ended requests
@@ -371,6 +383,39 @@ class SchedulerActor(Actor):
             self._emit(outputs)
             if not outputs:
                 return
+
+    def _drop_unsendable(self, plan: StepPlan, exc: Exception) -> None:
+        """A plan that cannot be encoded for the worker did not run: the requests whose own
+        share of it cannot be encoded end with an error (all of its requests, if none alone
+        is the cause), and the rest are planned again."""
+        def sendable(seq) -> bool:
+            try:
+                encode_plan(dataclasses.replace(plan, seqs=[seq]))
+            except Exception:
+                return False
+            return True
+
+        culprits = [s.request_id for s in plan.seqs if not sendable(s)]
+        self._emit(self.core.step_not_run(plan))
+        self._fail_requests(culprits or [s.request_id for s in plan.seqs], exc)
+
+    def _fail_requests(self, rids: list[str], exc: Exception) -> None:
+        """End requests whose own data made handling them raise: each with an error, its KV
+        freed. Not a crash: the core was not left half-changed, and every other request goes
+        on (a restart would end them all, and count toward the daemon's escalation)."""
+        why = f"the request failed in the scheduler: {type(exc).__name__}"
+        outputs = []
+        for rid in rids:
+            log.error("request failed in the scheduler", request_id=clip(rid, _LOG_LIMITS),
+                      error=repr(exc))
+            if rid in self.core.requests:
+                out = self.core.abort(rid, m.FinishReason.ERROR, why)
+            else:  # refused before the core took it: its end is told all the same
+                out = RequestOutput(rid, [], finished=True, finish_reason=m.FinishReason.ERROR,
+                                    error=why)
+            if out is not None:
+                outputs.append(out)
+        self._emit(outputs)
 
     def _emit(self, outputs: list[RequestOutput | TokenPair]) -> None:
         """Tell the tokenizer `outputs`, after the admissions held for them."""

@@ -19,11 +19,13 @@ message
 forwarded to the Scheduler behind its `Admit`, so nothing about a request overtakes it; one
 that already ended has its end on the way to the Stream, and the message is dropped.
 
-A crash fails the request whose message was being handled (it ends with `Error`); each
-other request's detokenizer belongs to that request, was not being touched, and is handed to
-the restarted actor, so those requests continue. Outputs of a step that were not handled yet
-when the crash happened, and long prompts whose tokenizing was cut off, are handled first by
-the new incarnation.
+A request whose own work raises (its tokenizing, its template, the rendering of its output)
+ends alone with `Error` and `Finished(error)`, its release goes to the Scheduler, and the
+actor goes on: one request's data never restarts it. Any other exception is a crash, which
+fails the request whose message was being handled; each other request's detokenizer belongs
+to that request, was not being touched, and is handed to the restarted actor, so those
+requests continue. Outputs of a step that were not handled yet when the crash happened, and
+long prompts whose tokenizing was cut off, are handled first by the new incarnation.
 
 A request's `Finished` is built here from the core's end of it, which carries its cost: a
 matched stop string ends the text at once but holds the `Finished` until the Scheduler's end
@@ -48,7 +50,7 @@ import trio
 
 from sluice.actors import messages as am
 from sluice.actors.base import Actor, Handler, Inbox, Outboxes
-from sluice.actors.intake import check_prompt_form
+from sluice.actors.intake import check_prompt_form, check_prompt_length
 from sluice.actors.limits import Limits, clip
 from sluice.actors.reports import BacklogGauge
 from sluice.actors.text import RequestText
@@ -132,9 +134,10 @@ class Tokenizer(Actor):
     name = "tokenizer"
 
     def __init__(self, tokenizer, *, scheduler: Inbox, limits: Limits = Limits(),
-                 usage: Inbox | None = None):
+                 usage: Inbox | None = None, max_model_len: int | None = None):
         super().__init__()
         self.tokenizer = tokenizer
+        self.max_model_len = max_model_len  # the model's context, when known
         self.scheduler = scheduler
         self.usage = usage  # where the records of unattended requests go
         self.limits = limits
@@ -149,7 +152,6 @@ class Tokenizer(Actor):
 
     def reset(self) -> None:
         self.in_hand: am.Encode | None = None  # the request being tokenized, for on_crash
-        self.failed_long: am.Encode | None = None  # the long prompt whose tokenizing raised
         self.deliveries: dict[str, list] = {}  # stream address -> messages
         self.records: list = []  # usage records of unattended requests, sent after the message
         self.unhandled: list = []  # the outputs of the step being rendered
@@ -199,14 +201,21 @@ class Tokenizer(Actor):
         self.in_hand = msg
         request = msg.generate
         try:
-            check_prompt_form(request, self.tokenizer.vocab_size)
-            size = prompt_bytes(request)
-            if size > LONG_PROMPT_BYTES:
-                self._start_long(msg, size)
+            too_long = (None if self.max_model_len is None
+                        else check_prompt_length(request, self.max_model_len))
+            if too_long is not None:  # refused by its length, before a look at its ids
+                self._deliver_one(msg.reply_to, too_long)
             else:
-                self._admit(msg, self._work(request)())
+                check_prompt_form(request, self.tokenizer.vocab_size)
+                size = prompt_bytes(request)
+                if size > LONG_PROMPT_BYTES:
+                    self._start_long(msg, size)
+                else:
+                    self._admit(msg, self._work(request)())
         except InvalidParams as exc:
             self._reject_invalid(msg, exc)
+        except Exception as exc:  # this request's own work failed: it alone ends
+            self._fail_encode(msg, exc)
         self.in_hand = None
 
     def _start_long(self, msg: am.Encode, size: int) -> None:
@@ -234,19 +243,17 @@ class Tokenizer(Actor):
                 if self._take_back(held):
                     self._reject_invalid(msg, exc)
                 return
-            except Exception:
-                if not self._take_back(held):
-                    return  # released meanwhile: nobody waits for this prompt any more
-                # on_crash fails this request and carries the others over; not `in_hand`,
-                # which the loop may still reset while handling a message before it is
-                # cancelled
-                self.failed_long = msg
-                raise
+            except Exception as exc:
+                if self._take_back(held):  # else released meanwhile: nobody waits for it
+                    self._fail_encode(msg, exc)
+                return
         if not held.scope.cancelled_caught and self._take_back(held):
             try:
                 self._admit(msg, prompt_ids)
             except InvalidParams as exc:
                 self._reject_invalid(msg, exc)
+            except Exception as exc:
+                self._fail_encode(msg, exc)
         # a cancelled task (a crash elsewhere, or shutdown) leaves its entry in `tokenizing`
 
     def _take_back(self, held: _Held) -> bool:
@@ -286,6 +293,33 @@ class Tokenizer(Actor):
     def _reject_invalid(self, msg: am.Encode, exc: InvalidParams) -> None:
         self._deliver_one(msg.reply_to, m.Rejected(
             msg.generate.request_id, m.RejectCode.INVALID, str(exc), exc.field))
+
+    def _fail_encode(self, msg: am.Encode, exc: Exception) -> None:
+        """Preparing one request raised: it ends with an error, and nothing else does (what
+        failed was that request's own work, not this actor's state, so nothing restarts)."""
+        if msg.request_id in self.requests:  # admitted before it failed
+            self._fail_request(msg.request_id, exc)
+        else:
+            client_id = msg.generate.request_id
+            self._outbox(msg.reply_to).extend((
+                m.Error(client_id, f"tokenizer failed: {type(exc).__name__}"),
+                m.Finished(client_id, m.FinishReason.ERROR)))
+            log.error("request failed in the tokenizer", error=repr(exc),
+                      request=clip(msg.request_id, self.limits))
+        self._deliver()
+
+    def _fail_request(self, rid: str, exc: BaseException) -> None:
+        """End an admitted request with an error: `Error` and `Finished(error)` to its
+        Stream, and its release to the Scheduler, which frees its KV."""
+        failed = self._end(rid)
+        if failed is None:
+            return
+        why = f"tokenizer failed: {type(exc).__name__}"
+        self._outbox(failed.reply_to).extend((
+            m.Error(failed.client_id, why), m.Finished(failed.client_id, m.FinishReason.ERROR)))
+        self.scheduler.put(am.Release((rid,), m.FinishReason.ERROR))
+        log.error("request failed in the tokenizer", error=repr(exc),
+                  request=clip(rid, self.limits))
 
     async def on_admission_refused(self, msg: am.AdmissionRefused) -> None:
         state = self._end(msg.request_id)
@@ -373,11 +407,29 @@ class Tokenizer(Actor):
         self._render_all(list(msg.outputs))
 
     def _render_all(self, outputs: list) -> None:
-        requests, deliveries = self.requests, self.deliveries
+        """Render a step's outputs; one whose rendering raises ends its own request with an
+        error and the rest are rendered (see `_fail_request`)."""
         self.unhandled = outputs
-        i = 0
+        start = 0
+        while True:
+            try:
+                self._render_from(outputs, start)
+                break
+            except Exception as exc:
+                culprit = self._rendering()
+                if culprit is None:
+                    raise
+                self._fail_request(culprit, exc)
+                start = self.handling + 1
+        self.unhandled, self.handling = [], 0
+        self._deliver()
+
+    def _render_from(self, outputs: list, start: int) -> None:
+        requests, deliveries = self.requests, self.deliveries
+        i = start
         try:
-            for i, out in enumerate(outputs):
+            for i in range(start, len(outputs)):
+                out = outputs[i]
                 if type(out) is not tuple:
                     state = requests.get(out.request_id)
                     if state is not None:
@@ -399,10 +451,8 @@ class Tokenizer(Actor):
                 if rendered.stopped:
                     self.scheduler.put(am.StopMatched(rid))
         except BaseException:
-            self.handling = i  # the output in hand: `on_crash` ends its request
+            self.handling = i  # the output in hand: its request is the one that ends
             raise
-        self.unhandled, self.handling = [], 0
-        self._deliver()
 
     def _outbox(self, reply_to: str) -> list:
         return self.deliveries.setdefault(reply_to, [])
@@ -474,14 +524,10 @@ class Tokenizer(Actor):
 
     async def on_crash(self, exc: BaseException) -> None:
         why = f"tokenizer failed: {type(exc).__name__}"
-        hand, self.in_hand = self.failed_long or self.in_hand, None
+        hand, self.in_hand = self.in_hand, None
         culprit = self._rendering() or (hand.request_id if hand is not None else None)
-        failed = self._end(culprit) if culprit else None
-        if failed is not None:
-            self._outbox(failed.reply_to).extend((
-                m.Error(failed.client_id, why), m.Finished(failed.client_id, m.FinishReason.ERROR)
-            ))
-            self.scheduler.put(am.Release((culprit,), m.FinishReason.ERROR))
+        if culprit in self.requests:
+            self._fail_request(culprit, exc)
         elif hand is not None:  # crashed before the request reached the scheduler
             self._outbox(hand.reply_to).extend((
                 m.Error(hand.generate.request_id, why),

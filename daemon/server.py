@@ -141,7 +141,7 @@ class Daemon:
             self.usage = UsageLog(cfg.usage.path, limits=cfg.limits)
             usage_inbox = self._inboxes["usage"] = self.usage.inbox
             self.tokenizer = Tokenizer(tokenizer, scheduler=scheduler_inbox, limits=cfg.limits,
-                                       usage=usage_inbox)
+                                       usage=usage_inbox, max_model_len=max_model_len)
             tokenizer_inbox = self._inboxes["tokenizer"] = self.tokenizer.inbox
             codec = Codec(m.SERVER_MESSAGES, max_frame_bytes=cfg.limits.max_frame_bytes)
             client_codec = Codec(m.CLIENT_MESSAGES, max_frame_bytes=cfg.limits.max_frame_bytes)

@@ -1,5 +1,6 @@
-"""Exceptions inside actors: the supervisor restarts the actor, only the affected requests
-end with an error, everything else carries on, and no KV block leaks."""
+"""Exceptions inside actors: one request's own work that raises ends that request alone,
+without a restart; any other exception restarts the actor. Only the affected requests end
+with an error, everything else carries on, and no KV block leaks."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ async def test_tokenizer_crash_fails_only_the_request_it_was_handling(null_daemo
             assert survivor.result.finish_reason == "length"
             assert len(survivor.result.token_ids) == 200
             assert "".join(texts).startswith(NULL_TEXT * 3)
-            assert daemon.supervisor.restarts["tokenizer"] == 1
+            # the failure was that request's own: it ended alone, and nothing restarted
+            assert "tokenizer" not in daemon.supervisor.restarts
             later = await client.generate("c", max_tokens=5)
             assert (await later.collect()).finish_reason == "length"
 
@@ -73,7 +75,7 @@ async def test_tokenizer_crash_while_encoding_fails_that_request(null_daemon) ->
             assert broken.result.token_ids == []
             assert (await running.collect()).finish_reason == "length"
             assert len(running.result.token_ids) == 100
-            assert daemon.supervisor.restarts["tokenizer"] == 1
+            assert "tokenizer" not in daemon.supervisor.restarts
 
 
 async def test_stream_crash_fails_its_connection_only(null_daemon) -> None:
