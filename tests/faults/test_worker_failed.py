@@ -24,7 +24,7 @@ from sluice.ipc.errors import OverloadedError
 pytestmark = pytest.mark.timeout(400)  # a hang fails this test instead of the suite
 
 
-def _config(tmp_path, fault_file) -> str:
+def _config(tmp_path, fault_file, retry_interval: float = 600.0) -> str:
     config = tmp_path / "sluiced.toml"
     config.write_text(f"""
 [worker]
@@ -32,7 +32,7 @@ num_blocks = 128
 threads = 1
 max_failed_starts = 2
 backoff_initial = 0.05
-failed_retry_interval = 600.0
+failed_retry_interval = {retry_interval}
 debug_fail_start_if = "{fault_file}"
 """)
     return str(config)
@@ -138,3 +138,36 @@ async def test_a_worker_that_stops_starting_puts_the_daemon_in_a_failed_state(
     finally:
         process.kill()
         process.wait()
+
+
+def _starts_lost(log) -> int:
+    """Worker starts the daemon's log says were lost to the test fault."""
+    return sum(1 for line in log.read_text().splitlines()
+               if '"worker lost"' in line and "exited with 3" in line)
+
+
+async def test_a_failed_worker_is_retried_every_failed_retry_interval(
+    tmp_path, drained_and_consistent, sluiced,
+) -> None:
+    fault = tmp_path / "no-worker"
+    process, fields = sluiced(
+        ["--config", _config(tmp_path, fault, retry_interval=1.0),
+         "--listen", "tcp://127.0.0.1:0", "--control", f"ipc://{tmp_path}/control.sock"],
+        log=tmp_path / "sluiced.log", log_level="warning", timeout=240)
+    control = fields["control"]
+    with trio.fail_after(120):
+        fault.write_text("")
+        os.kill((await fetch_status(control)).worker.pid, signal.SIGKILL)
+        await _worker_state(control, "failed")
+        # retried while the cause lasts: each retry fails again and logs why
+        failed = _starts_lost(tmp_path / "sluiced.log")
+        while _starts_lost(tmp_path / "sluiced.log") < failed + 2:
+            await trio.sleep(0.1)
+        assert (await fetch_status(control)).worker.state == "failed"
+        fault.unlink()  # the cause is gone: the next retry brings a worker back, unasked
+        await _worker_state(control, "ready")
+        async with AsyncClient(fields["listen"]) as client:
+            result = await (await client.generate("Hello", max_tokens=3,
+                                                  ignore_eos=True)).collect()
+        assert result.finish_reason == "length"
+    await drained_and_consistent(control)
