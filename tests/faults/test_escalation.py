@@ -6,24 +6,21 @@ import pytest
 import trio
 from daemon_support import assert_drained_and_consistent
 
+from sluice.actors.scheduler import Scheduler
 from sluice.actors.supervisor import Escalation
 from sluice.daemon.config import load_config
 from sluice.daemon.server import Daemon
 from sluice.ipc.client import AsyncClient
 
 
-class AlwaysFailingTokenizer:
-    def __init__(self, inner):
-        self._inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def encode(self, text):
-        raise RuntimeError("injected persistent fault")
+def always_failing_schedule(self, *args, **kwargs):
+    # the actor's own work, not one request's (a request's own failure ends it alone and
+    # never restarts its actor): planning a step fails for every incarnation
+    raise RuntimeError("injected persistent fault")
 
 
-async def test_restart_budget_exhausted_escalates_out_of_the_daemon(tmp_path) -> None:
+async def test_restart_budget_exhausted_escalates_out_of_the_daemon(tmp_path,
+                                                                    monkeypatch) -> None:
     config = load_config(None, {"listen": "tcp://127.0.0.1:0", "executor": "null",
                                 "control": f"ipc://{tmp_path}/control.sock"})
     daemon = Daemon(config)
@@ -33,7 +30,7 @@ async def test_restart_budget_exhausted_escalates_out_of_the_daemon(tmp_path) ->
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 await nursery.start(daemon.run)
-                daemon.tokenizer.tokenizer = AlwaysFailingTokenizer(daemon.tokenizer.tokenizer)
+                monkeypatch.setattr(Scheduler, "schedule", always_failing_schedule)
                 async with AsyncClient(daemon.listen_address) as client:
                     for _ in range(budget):
                         generation = await client.generate("boom", max_tokens=2)
