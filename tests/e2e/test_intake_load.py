@@ -125,14 +125,14 @@ async def test_a_long_request_id_never_reaches_the_logs_whole(null_daemon) -> No
     assert ended[long_id].reason is m.FinishReason.LENGTH  # the client still gets its id back
     assert ended[crash_id].reason is m.FinishReason.ERROR
     events = {event["event"] for event in logs}
-    assert {"request ended", "tokenizer crashed"} <= events
+    assert {"request ended", "request failed in the tokenizer"} <= events
     lines = [repr(event) for event in logs]
     assert not [line for line in lines if long_id in line or crash_id in line]
     assert [line for line in lines if long_id[:40] in line]  # named, cut short
 
 
 class FailsOnBoom:
-    """The real tokenizer, except that encoding "boom" raises (a crash to be logged)."""
+    """The real tokenizer, except that encoding "boom" raises (a failure to be logged)."""
 
     def __init__(self, inner):
         self._inner = inner
@@ -184,12 +184,13 @@ async def test_a_crash_while_tokenizing_a_long_prompt_fails_only_that_request(nu
                     faulty.gate.set()
                 assert results["boom"].finish_reason == "error"
                 assert "tokenizer failed" in results["boom"].error
-                # the prompts waiting behind it did nothing wrong: tokenized after the restart
+                # the prompts waiting behind it did nothing wrong: tokenized all the same
                 for name in ("fine-a", "fine-b"):
                     assert results[name].finish_reason == "length"
                     assert results[name].usage.prompt_tokens > 1000
                 assert (await running.collect()).finish_reason == "length"
-                assert daemon.supervisor.restarts["tokenizer"] == 1
+                # the failure was that request's own: nothing restarted
+                assert "tokenizer" not in daemon.supervisor.restarts
                 assert daemon.tokenizer.pending_prompt_bytes == 0
     finally:
         faulty.gate.set()
