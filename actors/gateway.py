@@ -44,6 +44,7 @@ from zmq.utils import z85
 from sluice.actors import messages as am
 from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.limits import Limits, clip
+from sluice.actors.listener import ListenerGuard
 from sluice.actors.peers import PeerBook
 from sluice.actors.reports import BacklogGauge, Endpoint, EndpointQuery
 from sluice.actors.stream import Stream
@@ -76,6 +77,7 @@ class Gateway(Actor):
         inbox: Inbox | None = None,
         curve_secret_key: str | None = None,
         tenant_keys: dict[str, str] | None = None,
+        keyed_tenants: frozenset[str] = frozenset(),
         backlog_to: Outbox | None = None,
     ):
         super().__init__(inbox=inbox)
@@ -83,6 +85,8 @@ class Gateway(Actor):
         self.backlog = BacklogGauge(self.name)
         self.curve_secret_key = curve_secret_key  # Z85; None: no authentication
         self.tenant_keys = dict(tenant_keys or {})  # client public key (Z85) -> tenant
+        # tenants that own keys (API keys, CURVE keys): never served on an unauthenticated socket
+        self.keyed_tenants = keyed_tenants
         self.listen = listen
         self.codec = codec
         self.supervisor = supervisor
@@ -110,13 +114,22 @@ class Gateway(Actor):
         if self.curve_secret_key is not None:
             self.socket.zmq.curve_server = True
             self.socket.zmq.curve_secretkey = self.curve_secret_key.encode()
-        self.address = self.socket.bind(self.address or self.listen)
+        # past the cap of streams a few more connections are taken, each one descriptor, to be
+        # told `Rejected(overloaded)`; past those the listener sheds them unanswered
+        spare = self.limits.reserved_fds
+        self.listener = ListenerGuard(
+            self.socket, peers=self.peers, cap=self.connection_cap + max(1, spare // 8),
+            inbound_connections=self.limits.inbound_connections(),
+            brake_margin=max(1, spare // 4))
+        self.address = self.listener.bind(self.address or self.listen)
 
     def _limit_peers(self, router: zmq.Socket) -> None:
         """What one peer may make this socket hold; set before bind, so every pipe has it."""
         interval, timeout = self.heartbeat
         # a peer that does not read pins at most this many frames, then it is forgotten
         router.setsockopt(zmq.SNDHWM, self.limits.peer_send_hwm)
+        # what a peer sends ahead of the gateway's reading waits in its own socket buffers
+        router.setsockopt(zmq.RCVHWM, self.limits.peer_recv_hwm)
         # checked while a frame arrives: a larger one is never buffered, its peer is dropped
         router.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
         # a connection that never finishes its handshake is dropped after the silence timeout
@@ -135,6 +148,7 @@ class Gateway(Actor):
         return clip(identity.hex(), self.limits)
 
     def teardown(self) -> None:
+        self.listener.close()
         self.socket.close()
         if self.zap is not None:
             self.zap.close()
@@ -162,6 +176,7 @@ class Gateway(Actor):
         if self.zap is not None:
             nursery.start_soon(self._authenticate)
         nursery.start_soon(self._receive_loop)
+        nursery.start_soon(self.listener.run)
 
     async def _authenticate(self) -> None:
         """ZAP: answer 200 with the key as user id for a listed CURVE key, else 400."""
@@ -196,6 +211,8 @@ class Gateway(Actor):
             await self.socket.send_multipart([identity, self.codec.encode(msg)])
         except PeerGone as exc:
             self.peers.dropped_frames += 1
+            if not isinstance(exc, PeerFull):  # its later queued frames are dropped unread
+                self.peers.gone(identity)
             self._lost(identity, exc)
             return False
         return True
@@ -265,11 +282,18 @@ class Gateway(Actor):
 
     async def _receive_loop(self) -> None:
         while True:
-            if self.curve_secret_key is None:
-                frames, key = await self.socket.recv_multipart(), None
-            else:
-                frames, key = await self.socket.recv_with_user()
-            await self._take_safely(frames, key)
+            queued = self._queued()
+            if queued is None:
+                # nothing queued: the frames of peers that are gone have all been read
+                self.listener.read_empty()
+                self.peers.clear_gone()
+                if self.curve_secret_key is None:
+                    queued = await self.socket.recv_multipart(), None
+                else:
+                    queued = await self.socket.recv_with_user()
+            else:  # a turn of the loop per run of frames, as when it waits; taken, so shielded
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            await self._take_safely(*queued)
             # what queued up behind it is taken in the same turn of the event loop, up to a
             # bound: one frame per turn left client frames waiting behind whole steps (tens
             # of milliseconds under load, before the daemon even saw a request). ZeroMQ
@@ -299,6 +323,9 @@ class Gateway(Actor):
 
     async def _take(self, identity: bytes, parts: list[bytes], key: str | None) -> None:
         """Handle one client message: answer it here, or route it to the connection's stream."""
+        if self.peers.is_gone(identity):  # queued before it left: nobody to answer
+            self.peers.dropped_frames += 1
+            return
         if self.peers.is_forgotten(identity):
             await self._take_forgotten(identity)
             return
@@ -317,6 +344,13 @@ class Gateway(Actor):
             return
         if isinstance(msg, m.Generate) and key is not None:
             msg = replace(msg, tenant=self.tenant_keys.get(key, msg.tenant))
+        elif isinstance(msg, m.Generate) and msg.tenant in self.keyed_tenants:
+            await self._reply(identity, m.Rejected(
+                msg.request_id, m.RejectCode.UNAUTHORIZED,
+                f"tenant {clip(msg.tenant, self.limits)!r} owns keys: its requests come "
+                "with its key (HTTP API key or CURVE), never on this unauthenticated socket",
+                "tenant"))
+            return
         if isinstance(msg, m.Generate) and self.draining:
             await self._reply(identity, m.Rejected(msg.request_id, m.RejectCode.DRAINING,
                                                   "the daemon is draining"))

@@ -11,8 +11,8 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
-# file descriptors a connection costs: none of its own on a ROUTER, but each Stream actor has
-# an inproc inbox (two sockets, and libzmq's mailbox/signaler fds behind each)
+# file descriptors a connection costs: its own socket, and its Stream actor's inproc inbox
+# (libzmq's mailbox/signaler fds behind each socket); three or four, measured
 _FDS_PER_CONNECTION = 4
 
 
@@ -46,6 +46,11 @@ class Limits:
     default_tenant_max_queued: int = 1024
     # frames the ROUTER buffers for one client before that client is a slow peer
     peer_send_hwm: int = 1024
+    # frames the ROUTER queues from one client before it stops reading that client's socket
+    peer_recv_hwm: int = 64
+    # client frames queued in the whole front at most: live connections and those gone whose
+    # frames are still queued count `peer_recv_hwm` each; past it new connections are shed
+    max_inbound_frames: int = 1 << 20
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
@@ -53,6 +58,8 @@ class Limits:
                 continue
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"limits.{name}: must be a non-negative integer, got {value!r}")
+        if self.peer_recv_hwm < 1:  # a zero high-water mark is no limit at all to ZeroMQ
+            raise ValueError(f"limits.peer_recv_hwm: must be at least 1, got {self.peer_recv_hwm}")
         if self.max_credits < 1:  # no request could ever be sent a chunk
             raise ValueError(f"limits.max_credits: must be at least 1, got {self.max_credits}")
 
@@ -64,6 +71,21 @@ class Limits:
         if soft == resource.RLIM_INFINITY:
             soft = 1 << 20
         return max(1, (soft - self.reserved_fds) // _FDS_PER_CONNECTION)
+
+    def inbound_connections(self) -> int:
+        """Connections whose queues may hold frames at once, within `max_inbound_frames`."""
+        return max(1, self.max_inbound_frames // self.peer_recv_hwm)
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft `RLIMIT_NOFILE` to the hard limit; (old soft, new soft)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # a hard limit above what the kernel allows
+            return soft, soft
+    return soft, hard
 
 
 def clip(text: str, limits: Limits) -> str:

@@ -1,0 +1,156 @@
+"""The client listener's connections: counted, and kept inside the descriptor and inbound budgets.
+
+libzmq accepts on its own I/O thread, and its `ipc://` listener aborts the process when
+`accept` meets the fd limit. So the gateway watches its ROUTER's monitor events (each accept
+and disconnect, with the connection's descriptor) and keeps a count of live connections. A
+connection accepted past a budget is *shed*: shut down at once, before anything of it is held.
+The budgets are the connection cap (descriptors) and the inbound frames (`peer_recv_hwm` per
+pipe, for live connections and for those gone whose frames are still queued: libzmq delivers
+a disconnected peer's frames). If shedding falls behind (more connections past the cap than
+`brake_margin`), the listener is unbound, which in libzmq also drops every connection it
+accepted, and bound again once it has closed: a last resort that keeps the daemon alive.
+
+What does not belong here: frames and peers by routing id (`gateway`, `peers`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket as pysocket
+
+import structlog
+import trio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from sluice.actors.peers import PeerBook
+from sluice.ipc.sockets import Socket
+
+log = structlog.get_logger("sluice.listener")
+
+REBIND_PAUSE = 1.0  # seconds between the listener's close and binding it again
+EVENTS = (zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_ACCEPT_FAILED
+          | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+_monitors = itertools.count()
+
+
+class ListenerGuard:
+    def __init__(self, router: Socket, *, peers: PeerBook, cap: int, inbound_connections: int,
+                 brake_margin: int):
+        self.router = router
+        self.peers = peers  # where connections shed are counted as refused
+        self.cap = cap  # live connections, at most
+        self.inbound_connections = inbound_connections  # pipes that may hold frames
+        self.brake_margin = brake_margin
+        self.live = 0  # accepted and not yet disconnected
+        self.gone_unread = 0  # disconnected since the gateway last read its socket empty
+        self.brakes = 0  # times the listener was unbound
+        self.address: str | None = None
+        self._local: object = None  # what getsockname says for a connection of ours
+        self._braked = False
+        endpoint = f"inproc://sluice.listener-monitor.{next(_monitors)}"
+        router.zmq.monitor(endpoint, EVENTS)
+        self.events = Socket(zmq.PAIR)
+        # the monitor's sends block libzmq's I/O thread when they are not read: the smallest
+        # queue keeps its accepts close behind this task's reading
+        self.events.zmq.setsockopt(zmq.RCVHWM, 1)
+        self.events.connect(endpoint)
+
+    def bind(self, address: str) -> str:
+        self.address = self.router.bind(address)
+        return self.address
+
+    def close(self) -> None:
+        """Before the ROUTER closes: a monitor event nobody reads would block libzmq's I/O
+        thread (every connection of the process) for good, and so would stopping the monitor
+        while that thread waits in a send, holding the monitor's lock: drain, stop, close."""
+        while self.events.recv_multipart_nowait() is not None:
+            pass
+        self.router.zmq.disable_monitor()
+        self.events.close()
+
+    def read_empty(self) -> None:
+        """The gateway found its socket empty: no gone peer's frames are queued any more."""
+        self.gone_unread = 0
+
+    async def run(self) -> None:
+        while True:
+            frames = await self.events.recv_multipart()
+            while frames is not None:
+                event = parse_monitor_message(frames)
+                self._on_event(event["event"], event["value"])
+                frames = self.events.recv_multipart_nowait()
+            if self._braked and self.live == 0 and self._local is None:
+                await trio.sleep(REBIND_PAUSE)
+                self._rebind()
+
+    def _on_event(self, event: int, value: int) -> None:
+        if event == zmq.EVENT_ACCEPTED:
+            self.live += 1
+            if self.live > self.cap or self.live + self.gone_unread > self.inbound_connections:
+                self._shed(value)
+            if self.live > self.cap + self.brake_margin and not self._braked:
+                self._brake()
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.live = max(0, self.live - 1)
+            self.gone_unread += 1
+        elif event == zmq.EVENT_LISTENING:
+            self._local = _local_name(value)
+        elif event == zmq.EVENT_CLOSED:
+            # the listener closed and its connections with it, without an event each
+            self._local, self.live = None, 0
+        elif event == zmq.EVENT_ACCEPT_FAILED:
+            log.warning("client connection not accepted", error=zmq.strerror(value))
+
+    def _shed(self, fd: int) -> None:
+        """Shut the new connection down (libzmq then closes it): only if the descriptor still
+        is a connection of this listener, since it may have been closed and reused since."""
+        try:
+            conn = pysocket.socket(fileno=fd)
+        except OSError:
+            return
+        try:
+            if self._local is not None and _same_listener(conn.getsockname(), self._local):
+                conn.shutdown(pysocket.SHUT_RDWR)
+                self.peers.refused_connections += 1
+        except OSError:
+            pass
+        finally:
+            conn.detach()
+
+    def _brake(self) -> None:
+        self._braked = True
+        self.brakes += 1
+        log.error("client listener unbound: connections came faster than they could be shed; "
+                  "the connections it accepted are dropped with it", live=self.live,
+                  cap=self.cap)
+        self.router.zmq.unbind(self.address)
+
+    def _rebind(self) -> None:
+        try:
+            self.router.bind(self.address)
+        except zmq.ZMQError as exc:
+            log.error("client listener not bound again yet", error=exc.strerror)
+            return
+        self._braked = False
+        log.warning("client listener bound again", address=self.address)
+
+
+def _local_name(fd: int) -> object:
+    """The local address of the listening descriptor, as its connections will report it."""
+    try:
+        listener = pysocket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        return listener.getsockname()
+    except OSError:
+        return None
+    finally:
+        listener.detach()
+
+
+def _same_listener(name: object, local: object) -> bool:
+    if isinstance(name, tuple) and isinstance(local, tuple):  # tcp: the port is the listener's
+        return name[1] == local[1]
+    return name == local
