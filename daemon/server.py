@@ -35,6 +35,7 @@ from sluice.actors.executor.null import NullExecutor
 from sluice.actors.executor.worker import InjectOutOfMemory
 from sluice.actors.gateway import Gateway
 from sluice.actors.http import HttpFront
+from sluice.actors.limits import raise_fd_limit
 from sluice.actors.reports import (
     EndpointQuery, MetricsQuery, UsageQuery, WorkerFacts, WorkerQuery,
 )  # fmt: skip
@@ -91,6 +92,8 @@ class Daemon:
         self._file_tenants: set[str] = set()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        old, new = raise_fd_limit()  # before anything sizes itself by it (the connection cap)
+        log.info("file descriptor limit", soft_was=old, soft=new)
         tokenizer = await trio.to_thread.run_sync(_load_tokenizer, self.model_path)
         scheduler_inbox = self._scheduler_inbox = Inbox("scheduler")
         try:
@@ -167,7 +170,10 @@ class Daemon:
                                    curve_secret_key=cfg.auth.server_secret_key,
                                    tenant_keys={key: tenant
                                                 for tenant, keys in cfg.auth.tenants.items()
-                                                for key in keys})
+                                                for key in keys},
+                                   keyed_tenants=frozenset(
+                                       tenant for table in (cfg.auth.tenants, cfg.http.tenants)
+                                       for tenant, keys in table.items() if keys))
             fronts = [self.gateway]
             if cfg.http.listen is not None:
                 http_inbox = self._inboxes["http"] = Inbox("http")
