@@ -29,8 +29,10 @@ from sluice.ipc.sockets import Socket
 log = structlog.get_logger("sluice.listener")
 
 REBIND_PAUSE = 1.0  # seconds between the listener's close and binding it again
-EVENTS = (zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_ACCEPT_FAILED
-          | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+# not EVENT_ACCEPT_FAILED: a TCP listener out of descriptors retries its accept in a busy
+# loop, and an event per try would hand this task (and the I/O thread it throttles) that loop
+EVENTS = (zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+          | zmq.EVENT_CLOSED)
 _monitors = itertools.count()
 
 
@@ -99,8 +101,6 @@ class ListenerGuard:
         elif event == zmq.EVENT_CLOSED:
             # the listener closed and its connections with it, without an event each
             self._local, self.live = None, 0
-        elif event == zmq.EVENT_ACCEPT_FAILED:
-            log.warning("client connection not accepted", error=zmq.strerror(value))
 
     def _shed(self, fd: int) -> None:
         """Shut the new connection down (libzmq then closes it): only if the descriptor still
