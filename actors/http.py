@@ -1,16 +1,18 @@
 """The HTTP actor: an OpenAI-compatible front door beside the ZeroMQ gateway.
 
-hypercorn's trio worker serves a small ASGI app in this actor's nursery; the HTTP parsing,
-keep-alive and header limits are hypercorn's. Each HTTP request is its own stream of the one
-Stream actor the front keeps for all of them (the actor ZeroMQ connections get, supervised as
-transient, its connection id random and known to no client): a connection's requests each
-have their own credits, watermarks, pause timeout and one terminal message there, so each
-HTTP request is metered exactly as a ZeroMQ client's request is. What the stream says to its
-client is handed, by request id, to that request's response in process instead of over a
-socket (`ResponseRouter`, `Replies`). The response gives chunks' credits back once their
-bytes were handed to hypercorn (whose `send` waits while the socket is full), so a client
-that stops reading is paused and then timed out like a slow ZeroMQ client, and one that
-disconnects sends the stream its request's `Cancel`, which ends it and frees its KV.
+A small ASGI app, served in this actor's nursery by hypercorn's protocols on the connections
+and accept loop of `actors.http_server` (a cap on connections, a deadline on each write,
+HTTP/1.1 unless HTTP/2 is configured); the HTTP parsing and keep-alive are hypercorn's. Each
+HTTP request is its own stream of the one Stream actor the front keeps for all of them (the
+actor ZeroMQ connections get, supervised as transient, its connection id random and known to no
+client): a connection's requests each have their own credits, watermarks, pause timeout and one
+terminal message there, so each HTTP request is metered exactly as a ZeroMQ client's request
+is. What the stream says to its client is handed, by request id, to that request's response in
+process instead of over a socket (`ResponseRouter`, `Replies`). The response gives chunks'
+credits back once their bytes were handed to hypercorn (whose `send` waits while the socket is
+full), so a client that stops reading is paused and then timed out like a slow ZeroMQ client,
+and one that disconnects sends the stream its request's `Cancel`, which ends it and frees its
+KV.
 
 One stream for all, not one per request: a step's tokens reach the front in one message
 instead of one per request, and a request costs no actor, inbox or socket of its own. If that
@@ -21,14 +23,14 @@ heard of the failure is refused there unseen, and sent once more, to the new str
 A request body is turned into the same `m.Generate` the gateway decodes
 (`actors.openai_api`), so validation, limits and rejections are the daemon's own; this
 actor adds only what HTTP has: API keys (`Authorization: Bearer`, compared in constant time,
-mapped to tenants, never logged), concurrent requests, body bytes and body read time (the
-`[http]` table), and the mapping of outcomes to statuses. `GET /health` asks the Scheduler.
+mapped to tenants, never logged), concurrent requests and bodies being read (each tenant at
+most its share of either), header, body bytes and body read time (the `[http]` table), and
+the mapping of outcomes to statuses. `GET /health` asks the Scheduler.
 
 Asked (`Ask`), it says the address it bound or lists its live streams (for drain and
 reconcile) and how many requests it is answering; `Drain`/`EndDrain` make new requests 503
-or admit them again. A connection whose client reads nothing is dropped by the kernel after
-`send_timeout` (`TCP_USER_TIMEOUT` on the listening socket), since hypercorn's writes cannot
-be cancelled.
+or admit them again. A response write that waits `send_timeout` for its client ends the
+request as if the client had gone.
 
 What does not belong here: the response of one generation (`actors.http_exchange`), the
 OpenAI shapes (`actors.openai_api`).
@@ -38,25 +40,24 @@ from __future__ import annotations
 
 import hmac
 import os
-import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 import trio
 import zmq
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve
 
 from sluice.actors import messages as am
 from sluice.actors import openai_api as api
 from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.control import Questions
 from sluice.actors.http_exchange import (
-    Exchange, Replies, header, send_error, send_json, send_text, serve_lifespan, server_log,
-    watch_disconnect,
+    ClientGone, Exchange, Replies, deadline_send, header, send_error, send_json, send_text,
+    server_log, watch_disconnect,
 )  # fmt: skip
+from sluice.actors.http_server import Connections, ServerConfig, connection_cap, serve
 from sluice.actors.reports import Endpoint, EndpointQuery
 from sluice.actors.stream import Stream
 from sluice.actors.supervisor import Supervisor
@@ -70,15 +71,23 @@ class HttpSettings:
 
     listen: str | None = None  # "HOST:PORT"; None: no HTTP front
     model_name: str | None = None  # what /v1/models lists and requests name; None: derived
-    max_concurrent_requests: int = 256  # over it: 429
-    max_header_bytes: int = 16 * 1024  # request line and headers (hypercorn's h11 limit)
+    max_concurrent_requests: int = 256  # generations being answered; over it: 429
+    max_body_reads: int = 64  # request bodies being read (not yet generations); over it: 429
+    # the most of either one tenant may hold, as a fraction (at least one request), once the
+    # API keys name more than one tenant
+    tenant_share: float = 0.5
+    # live connections; None: half of what the fd limit leaves past `[limits] reserved_fds`.
+    # At the cap idle connections are closed to make room, else new ones wait to be accepted
+    max_connections: int | None = None
+    max_header_bytes: int = 16 * 1024  # request line and headers: over it, 414 or 431
     max_body_bytes: int = 4 * 1024 * 1024  # over it: 413, refused before it is read in full
     read_timeout: float = 30.0  # seconds to receive a request's body: over it, 408
     keep_alive_timeout: float = 5.0  # an idle connection (or one slow to send headers) closes
-    # a connection whose client reads nothing (its window stays shut) this long is dropped by
-    # the kernel (TCP_USER_TIMEOUT); keep it above `[stream] pause_timeout`, which ends the
-    # request first
+    # seconds a response write may wait for its client (a shut TCP or HTTP/2 window): past it
+    # the request ends as if the client had gone, and an HTTP/1.1 connection is closed. Keep
+    # it above `[stream] pause_timeout`, which ends a request whose client stopped reading
     send_timeout: float = 60.0
+    http2: bool = False  # also HTTP/2 in cleartext (h2c); off: HTTP/1.1 only
     retry_after: int = 1  # seconds, in `Retry-After` of 429 and 503
     initial_credits: int = 16  # chunks a request may have in flight before it writes one
     tenants: dict[str, Any] = field(default_factory=dict)  # tenant -> [API keys]
@@ -86,11 +95,18 @@ class HttpSettings:
     tenant_keys_file: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_concurrent_requests", "max_header_bytes", "max_body_bytes",
-                     "retry_after", "initial_credits"):
+        for name in ("max_concurrent_requests", "max_body_reads", "max_connections",
+                     "max_header_bytes", "max_body_bytes", "retry_after", "initial_credits"):
             value = getattr(self, name)
+            if value is None and name == "max_connections":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"http.{name}: must be a positive integer, got {value!r}")
+        share = self.tenant_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"http.tenant_share: must be a fraction in (0, 1], got {share!r}")
+        if not isinstance(self.http2, bool):
+            raise ValueError(f"http.http2: must be true or false, got {self.http2!r}")
         for name in ("read_timeout", "keep_alive_timeout", "send_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -129,6 +145,9 @@ class KeyRing:
     def __bool__(self) -> bool:
         return bool(self._keys)
 
+    def tenants(self) -> int:
+        return len({tenant for _, tenant in self._keys})
+
     def tenant(self, key: bytes) -> str | None:
         found = None
         for known, tenant in self._keys:
@@ -137,24 +156,47 @@ class KeyRing:
         return found
 
 
-class _Gone(Exception):
-    """The HTTP client disconnected."""
+class Slots:
+    """Requests of one kind the front holds (generations, or bodies being read): at most
+    `size`, and at most `share` of them one tenant's. Over either: 429, naming the setting."""
 
+    def __init__(self, setting: str, size: int, share: float, retry_after: int):
+        self.setting = setting  # the `[http]` key of `size`
+        self.size = size
+        self.share = share
+        self.per_tenant = max(1, int(size * share))
+        self.retry_after = retry_after
+        self.held = 0
+        self.by_tenant: dict[str, int] = {}
 
-class _ServerConfig(HypercornConfig):
-    """hypercorn's settings, and the listening sockets' options."""
+    def check(self, tenant: str) -> None:
+        """Refuse the request if `tenant` could not take one now."""
+        if self.held >= self.size:
+            raise self._refusal(f"too many concurrent HTTP requests (http.{self.setting} = "
+                                f"{self.size})")
+        if self.by_tenant.get(tenant, 0) >= self.per_tenant:
+            raise self._refusal(
+                f"tenant {tenant!r} holds its share of http.{self.setting} = {self.size}: "
+                f"{self.per_tenant} (http.tenant_share = {self.share})")
 
-    send_timeout: float = 60.0
+    @contextmanager
+    def hold(self, tenant: str) -> Iterator[None]:
+        self.check(tenant)
+        self.held += 1
+        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + 1
+        try:
+            yield
+        finally:
+            self.held -= 1
+            left = self.by_tenant[tenant] - 1
+            if left:
+                self.by_tenant[tenant] = left
+            else:
+                del self.by_tenant[tenant]
 
-    def create_sockets(self):
-        sockets = super().create_sockets()
-        for listener in sockets.insecure_sockets:
-            # accepted connections inherit it. hypercorn's writes cannot be cancelled (they are
-            # shielded), so a client that never reads holds its request's task until the
-            # kernel gives up on the connection
-            listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
-                                int(self.send_timeout * 1000))
-        return sockets
+    def _refusal(self, message: str) -> api.ApiError:
+        return api.ApiError(429, message, type="rate_limit_error", code="overloaded",
+                            retry_after=self.retry_after)
 
 
 class HttpFront(Actor):
@@ -163,7 +205,7 @@ class HttpFront(Actor):
     def __init__(self, settings: HttpSettings, *, supervisor: Supervisor,
                  make_stream: Callable[[bytes, ResponseRouter], Stream], scheduler: Outbox,
                  model_name: str, max_model_len: int, heartbeat_interval: float = 1.0,
-                 inbox: Inbox | None = None):
+                 reserved_fds: int = 256, inbox: Inbox | None = None):
         super().__init__(inbox=inbox)
         self.settings = settings
         self.supervisor = supervisor
@@ -180,7 +222,15 @@ class HttpFront(Actor):
         self.stream: Stream | None = None  # the one new requests go to; None: open one
         self.router = ResponseRouter()
         self._opening = trio.Lock()
-        self.active = 0  # HTTP requests being answered
+        # once the keys name more than one tenant, none may hold more than its share
+        share = settings.tenant_share if self.keys.tenants() > 1 else 1.0
+        self.generations = Slots("max_concurrent_requests", settings.max_concurrent_requests,
+                                 share, settings.retry_after)
+        self.body_reads = Slots("max_body_reads", settings.max_body_reads, share,
+                                settings.retry_after)
+        # the live connections; each removes itself as it ends, a server's end ends them all
+        self.connections = Connections(settings.max_connections
+                                       or connection_cap(reserved_fds))
         self.questions = Questions("http-replies")  # the scheduler's answers, for /health
         self.askers = Outboxes()
 
@@ -207,18 +257,18 @@ class HttpFront(Actor):
         log.info("http listening", address=self.address)
 
     async def _serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        config = _ServerConfig()
+        config = ServerConfig()
         config.send_timeout = self.settings.send_timeout
+        config.http2 = self.settings.http2
         config.bind = [self.address or self.settings.listen]
         config.h11_max_incomplete_size = self.settings.max_header_bytes
         config.h2_max_header_list_size = self.settings.max_header_bytes
         config.keep_alive_timeout = self.settings.keep_alive_timeout
         config.include_server_header = False
+        config.backlog = 1024  # a burst of connections waits to be accepted, its SYNs not dropped
         config.accesslog = None  # a request's line is not for the journal
         config.errorlog = server_log("sluice.http.server")
-        config.graceful_timeout = 1.0
-        await serve(self.asgi, config, shutdown_trigger=trio.sleep_forever,
-                    task_status=task_status)
+        await serve(self.asgi, config, self.connections, task_status=task_status)
 
     # -- from actors ------------------------------------------------------------------------
 
@@ -241,7 +291,7 @@ class HttpFront(Actor):
         elif isinstance(msg.query, am.ListConnections):
             live = am.Connections(frozenset(self.streams),
                                  tuple(stream.inbox.address for stream in self.streams.values()),
-                                 answering=self.active)
+                                 answering=self.generations.held + self.body_reads.held)
             self.askers.put(msg.reply_to, am.Reply(msg.token, live))
 
     async def on_crash(self, exc: BaseException) -> None:
@@ -251,25 +301,19 @@ class HttpFront(Actor):
     # -- the ASGI app -----------------------------------------------------------------------
 
     async def asgi(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "lifespan":
-            await serve_lifespan(receive, send)
-            return
         if scope["type"] != "http":
             return
+        send = deadline_send(send, self.settings.send_timeout)
         try:
-            await self._route(scope, receive, send)
-        except api.ApiError as error:
-            await send_error(send, error)
-        except _Gone:
+            try:
+                await self._route(scope, receive, send)
+            except api.ApiError as error:
+                await send_error(send, error)
+        except ClientGone:
             pass
 
     async def _route(self, scope: dict, receive: Callable, send: Callable) -> None:
-        # hypercorn stops buffering headers past the limit, but a header block that arrived
-        # whole in one read is parsed whatever its size: refused here
-        limit = self.settings.max_header_bytes
-        if sum(len(name) + len(value) + 4 for name, value in scope["headers"]) > limit:
-            raise api.ApiError(431, f"the request's headers exceed http.max_header_bytes = "
-                               f"{limit}", code="headers_too_large")
+        self._check_head(scope)
         method, path = scope["method"], scope["path"]
         routes = {"/health": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST",
                   "/v1/completions": "POST"}
@@ -289,18 +333,25 @@ class HttpFront(Actor):
         if self.draining:
             raise api.ApiError(503, "the daemon is draining", type="server_error",
                                code="draining", retry_after=self.settings.retry_after)
-        if self.active >= self.settings.max_concurrent_requests:
-            raise api.ApiError(429, "too many concurrent HTTP requests (http."
-                               f"max_concurrent_requests = "
-                               f"{self.settings.max_concurrent_requests})",
-                               type="rate_limit_error", code="overloaded",
-                               retry_after=self.settings.retry_after)
-        self.active += 1
-        try:
+        # a body being read is no generation, but one that could not start is not read
+        self.generations.check(tenant)
+        with self.body_reads.hold(tenant):
             body = api.parse_body(await self._read_body(scope, receive))
+        with self.generations.hold(tenant):
             await self._generate(path == "/v1/chat/completions", body, tenant, receive, send)
-        finally:
-            self.active -= 1
+
+    def _check_head(self, scope: dict) -> None:
+        """Refuse a request line and headers over `max_header_bytes`. hypercorn stops buffering
+        them past it, but what arrived whole in one read is parsed whatever its size."""
+        limit = self.settings.max_header_bytes
+        line = (len(scope["method"]) + len(scope["raw_path"]) + len(scope["query_string"])
+                + len(" ? HTTP/1.1\r\n"))  # the spaces, "?", version and line end
+        if line > limit:
+            raise api.ApiError(414, f"the request line exceeds http.max_header_bytes = {limit}",
+                               code="uri_too_long")
+        if line + sum(len(name) + len(value) + 4 for name, value in scope["headers"]) > limit:
+            raise api.ApiError(431, f"the request's headers exceed http.max_header_bytes = "
+                               f"{limit}", code="headers_too_large")
 
     def _tenant(self, scope: dict) -> str:
         """The tenant of the request's API key; `default` when no keys are configured."""
@@ -325,7 +376,7 @@ class HttpFront(Actor):
             while True:
                 event = await receive()
                 if event["type"] == "http.disconnect":
-                    raise _Gone
+                    raise ClientGone
                 size += len(event.get("body", b""))
                 if size > limit:
                     raise too_large  # a chunked body: nothing more of it is read
@@ -385,18 +436,18 @@ class HttpFront(Actor):
         self.router.routes[request_id] = replies  # removed below, however the exchange ends
         try:
             stream.inbox.put(request.generate)
-            refused: api.ApiError | None = None
+            ended: api.ApiError | ClientGone | None = None
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)
                 try:
                     await exchange.run()
-                except api.ApiError as error:  # answered below, outside the nursery
-                    refused = error
+                except (api.ApiError, ClientGone) as error:  # raised below, outside the nursery
+                    ended = error
                 nursery.cancel_scope.cancel()
-            if refused is not None:
+            if ended is not None:
                 if exchange.found_closed and not last_try:
                     return False
-                raise refused
+                raise ended
             return True
         finally:
             del self.router.routes[request_id]

@@ -190,6 +190,22 @@ class Exchange:
         await self._body(events + api.SSE_DONE, more=False)
 
 
+class ClientGone(Exception):
+    """The HTTP client disconnected, or took no response write within the deadline."""
+
+
+def deadline_send(send: Callable, timeout: float) -> Callable:
+    """ASGI's `send`, each call given `timeout` seconds: a client that does not take its
+    response (a shut HTTP/2 window, which no socket timeout sees) is taken for gone."""
+    async def send_in_time(message: dict) -> None:
+        with trio.move_on_after(timeout):
+            await send(message)
+            return
+        raise ClientGone
+
+    return send_in_time
+
+
 async def watch_disconnect(receive: Callable, scope: trio.CancelScope) -> None:
     """End the exchange when the client goes (its stream is told by the caller's `finally`)."""
     while True:
