@@ -64,10 +64,13 @@ async def test_timeouts_end_waiting_and_paused_requests_and_free_their_kv(null_d
 
 
 async def test_a_tenant_over_its_rate_is_refused_with_a_retry_after(null_daemon) -> None:
-    tenants = {"metered": {"output_tokens_per_minute": 120, "max_queue_wait": 5.0}}
+    limits = {"output_tokens_per_minute": 120, "max_queue_wait": 5.0}
+    # the same limits for a tenant of the ZeroMQ socket and one that owns an HTTP key (a
+    # keyed tenant is refused on the unauthenticated socket)
+    tenants = {"metered": limits, "keyed": limits}
     handle = await null_daemon(scheduler={"tenants": tenants},
                                **{"http.listen": "127.0.0.1:0", "http.model_name": "limits-test",
-                                  "http.tenants": {"metered": ["key-m"]}})
+                                  "http.tenants": {"keyed": ["key-m"]}})
     with trio.fail_after(60):
         async with AsyncClient(handle.listen, tenant="metered") as client:
             with pytest.raises(QuotaError) as alone:  # more than a minute's tokens
@@ -86,6 +89,9 @@ async def test_a_tenant_over_its_rate_is_refused_with_a_retry_after(null_daemon)
 
         address = handle.daemon.http_address
         model = "limits-test"
+        status, _, body = await _post(address, {"model": model, "prompt": "takes the minute",
+                                                "max_tokens": 120, "ignore_eos": True})
+        assert status == 200 and body["usage"]["completion_tokens"] == 120
         status, headers, body = await _post(address, {"model": model, "prompt": "y",
                                                       "max_tokens": 60})
         assert status == 429 and body["error"]["code"] == "quota_exceeded"
@@ -96,7 +102,7 @@ async def test_a_tenant_over_its_rate_is_refused_with_a_retry_after(null_daemon)
 
 
 async def _post(address: str, body: dict) -> tuple[int, dict, dict]:
-    """POST /v1/completions as tenant "metered", off the event loop: (status, headers, JSON)."""
+    """POST /v1/completions as tenant "keyed", off the event loop: (status, headers, JSON)."""
     def post() -> tuple[int, dict, dict]:
         request = urllib.request.Request(
             f"http://{address}/v1/completions", data=json.dumps(body).encode(),
