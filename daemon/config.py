@@ -39,9 +39,12 @@ Unknown keys are errors naming the key. Nothing here starts anything.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,7 @@ from sluice.actors.local_socket import (
     check_private_directory,
     prepare_private_socket,
 )
+from sluice.actors.scheduler import ConfigError, SchedulerConfig
 from sluice.actors.stream import StreamConfig
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7340"
@@ -231,27 +235,40 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     unknown = set(data) - {"daemon", "scheduler", *_SECTIONS}
     if unknown:
         raise ConfigFileError(f"unknown section(s): {', '.join(sorted(unknown))}")
+    for name in ("daemon", "scheduler", *_SECTIONS):
+        if not isinstance(data.get(name, {}), dict):
+            raise ConfigFileError(f"{name}: must be a table ([{name}]), got {_shown(data[name])}")
     values: dict[str, Any] = dict(data.get("daemon", {}))
     top = {f.name for f in dataclasses.fields(DaemonConfig)} - {"scheduler", *_SECTIONS}
     bad = set(values) - top
     if bad:
         raise ConfigFileError(f"daemon: unknown key(s) {', '.join(sorted(bad))}")
+    check_types("daemon", DaemonConfig, values)
     for name, cls in _SECTIONS.items():
         section = data.get(name, {})
         known = {f.name for f in dataclasses.fields(cls)}
         bad = set(section) - known
         if bad:
             raise ConfigFileError(f"{name}: unknown key(s) {', '.join(sorted(bad))}")
-        values[name] = cls(**section)
+        values[name] = _section(name, cls, section)
     values["scheduler"] = dict(data.get("scheduler", {}))
     for key, value in (overrides or {}).items():
         if value is None:
             continue
         section, _, name = key.rpartition(".")
         if section:
+            check_types(section, _SECTIONS[section], {name: value})
             values[section] = dataclasses.replace(values[section], **{name: value})
         else:
+            check_types("daemon", DaemonConfig, {name: value})
             values[name] = value
+    _check_daemon_values(values)
+    try:  # what the scheduler core will be built from, once the worker says its pool
+        SchedulerConfig.from_dict({**values["scheduler"], "kv_blocks": 1})
+    except ConfigError as exc:
+        message = str(exc)
+        raise ConfigFileError(message if message.startswith("scheduler") else
+                              f"scheduler.{message}") from None
     values["auth"] = read_secret_key(values["auth"])
     values["http"] = read_api_keys(values["http"])
     if values.get("model") == "default":
@@ -259,3 +276,92 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     if values.get("executor", "model") not in ("model", "null"):
         raise ConfigFileError(f"executor: must be model or null, got {values['executor']!r}")
     return DaemonConfig(**values)
+
+
+MAX_PORT = 65535
+
+
+def _check_daemon_values(values: dict[str, Any]) -> None:
+    """The `[daemon]` values' ranges (their types are checked already)."""
+    deadline = values.get("drain_deadline", DaemonConfig.drain_deadline)
+    if deadline < 0:
+        raise ConfigFileError(f"daemon.drain_deadline: must be a number of seconds >= 0, "
+                              f"got {deadline!r}")
+    port = values.get("metrics_port")
+    if port is not None and not 0 <= port <= MAX_PORT:
+        raise ConfigFileError(f"daemon.metrics_port: must be a port from 0 to {MAX_PORT} "
+                              f"(0: any free), got {port!r}")
+
+
+def _section(name: str, cls: type, values: dict[str, Any]) -> Any:
+    """The section's dataclass; a mistyped value is named by the class's own check where it
+    has one for that value, else by `check_types`."""
+    try:
+        check_types(name, cls, values)
+    except ConfigFileError as mistyped:
+        try:
+            cls(**values)
+        except ValueError as exc:
+            raise ConfigFileError(str(exc)) from None
+        except Exception:  # noqa: BLE001 - what a check never meant for this type raised
+            pass
+        raise mistyped from None
+    return cls(**values)
+
+
+def check_types(section: str, cls: type, values: dict[str, Any]) -> None:
+    """Each value has the type its dataclass field declares, or `ConfigFileError` names it.
+
+    A TOML file can only hold strings, numbers, booleans, arrays, tables and dates, so these
+    are the types the settings use; a field of another type is left to its class's checks.
+    A float setting takes an integer, never NaN."""
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        hint = hints.get(name)
+        if hint is not None and not _fits(value, hint):
+            raise ConfigFileError(f"{section}.{name}: must be {_described(hint)}, "
+                                  f"got {_shown(value)}")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (types.UnionType, typing.Union):
+        return any(_fits(value, arm) for arm in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and not math.isnan(value))
+    if hint is str:
+        return isinstance(value, str)
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and all(_fits(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _described(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_described(arm) for arm in args if arm is not type(None))
+    if origin is tuple:
+        return f"a list of {_described(args[0]).removeprefix('an ').removeprefix('a ')}s"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+            dict: "a table"}.get(origin or hint, str(hint))
+
+
+def _shown(value: Any) -> str:
+    """A value as the error shows it: short, with its TOML kind when that is the problem."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    kind = {bool: "a boolean", str: "a string", list: "an array", dict: "a table"}.get(
+        type(value))
+    return f"{text} ({kind})" if kind else text

