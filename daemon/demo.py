@@ -29,23 +29,32 @@ def main(argv: list[str] | None = None) -> int:
     log = _LogRelay(daemon.stderr)
     try:
         address = _wait_ready(daemon)
-        if address is None:
-            return daemon.wait() or 1
+        if address is None:  # it refused to start (its reason went to stderr), or was stopped
+            return _exit_code(daemon.wait())
         with log.held():
             _ask(address)
         print(f"\nthe daemon keeps serving on {address}; chat with it from another terminal:\n"
               f"  .venv/bin/sluice chat --connect {address}\n(Ctrl-C stops it)", flush=True)
         for line in daemon.stdout:  # keep relaying the daemon's own output
             print(line, end="", flush=True)
-        return daemon.wait()
+        return _exit_code(daemon.wait())
     except KeyboardInterrupt:
-        daemon.send_signal(signal.SIGTERM)
-        return daemon.wait()
+        # a terminal's Ctrl-C reached the daemon too, which drains and stops: this stays
+        # quiet while it does (another Ctrl-C included), and says the daemon's exit code
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if daemon.poll() is None:
+            daemon.send_signal(signal.SIGTERM)  # or only we were interrupted
+        return _exit_code(daemon.wait())
     finally:
         if daemon.poll() is None:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(timeout=60)
         log.thread.join(timeout=5)  # the daemon's last lines (its drain) still come through
+
+
+def _exit_code(returncode: int) -> int:
+    """The daemon's exit code as a shell reports it: 128 + N for a death by signal N."""
+    return returncode if returncode >= 0 else 128 - returncode
 
 
 class _LogRelay:

@@ -4,7 +4,8 @@
 requests get `drain_deadline` seconds to finish, then exit 0. SIGHUP re-reads the config's
 tenants and limits. Exit codes, for systemd's `Restart=` and `StartLimit*` to decide on:
 
-- 0: stopped by SIGTERM/SIGINT after draining.
+- 0: stopped by SIGTERM/SIGINT (Ctrl-C) after draining, or before it served (no traceback:
+  the worker ignores SIGINT in a process group of its own; its daemon stops it).
 - 70 (`EXIT_ESCALATED`): an actor exhausted its restart budget; systemd restarts the daemon.
 - 75 (`EXIT_WORKER`): at boot, no worker passed its health check in `[worker]
   max_failed_starts` tries (bad weights, no device, out of memory); a restart may succeed
@@ -89,12 +90,36 @@ def _overrides(args: argparse.Namespace) -> dict:
     }
 
 
-async def serve(config, config_path: str | None = None, overrides: dict | None = None) -> int:
+class StopSignals:
+    """SIGINT and SIGTERM while the event loop is not listening for them: before it starts
+    they are remembered (the daemon then stops before it serves); once it has let go, the
+    daemon is stopping already and they are ignored. Never a KeyboardInterrupt traceback."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self)
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received = self.received or signum
+
+
+async def serve(config, config_path: str | None = None, overrides: dict | None = None,
+                stops: StopSignals | None = None) -> int:
     from sluice.daemon.server import Daemon
 
     daemon = Daemon(config)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        if stops is not None and stops.received:
+            return 0
+        structlog.get_logger("sluice.daemon").info(
+            "starting", executor=config.executor, model=str(daemon.model_path))
         async with trio.open_nursery() as nursery:
+            serving = trio.Event()
+            nursery.start_soon(_on_signals, signals, daemon, serving, nursery.cancel_scope,
+                               config_path, overrides)
             await nursery.start(daemon.run)
             settle_collector()  # what is loaded now lives as long as the daemon
             metrics = "" if daemon.metrics_port is None else f" metrics={daemon.metrics_port}"
@@ -103,18 +128,31 @@ async def serve(config, config_path: str | None = None, overrides: dict | None =
                   + metrics + http, flush=True)
             print(f"chat with it:  sluice chat --connect {daemon.listen_address}", flush=True)
             notify(f"READY=1\nSTATUS=serving on {daemon.listen_address}")
+            serving.set()
             nursery.start_soon(keepalive, daemon.summary)
             nursery.start_soon(give_back_periodically)
-            async for signum in signals:
-                if signum == signal.SIGHUP:
-                    await reload(daemon, config_path, overrides)
-                    continue
-                notify("STOPPING=1\nSTATUS=draining")
-                finished = await daemon.drain()
-                structlog.get_logger("sluice.daemon").info("stopped", drained=finished)
-                nursery.cancel_scope.cancel()
-                break
     return 0
+
+
+async def _on_signals(signals, daemon, serving: trio.Event, scope: trio.CancelScope,
+                      config_path: str | None, overrides: dict | None) -> None:
+    """SIGHUP reloads; SIGTERM or SIGINT drains a serving daemon and stops it, or stops one
+    still starting (its worker is killed, nothing was admitted)."""
+    log = structlog.get_logger("sluice.daemon")
+    async for signum in signals:
+        if signum == signal.SIGHUP:
+            if serving.is_set():  # before, the daemon is starting with the config just read
+                await reload(daemon, config_path, overrides)
+            continue
+        if not serving.is_set():
+            log.info("stopped before serving", signal=signal.Signals(signum).name)
+            scope.cancel()
+            return
+        notify("STOPPING=1\nSTATUS=draining")
+        finished = await daemon.drain()
+        log.info("stopped", drained=finished)
+        scope.cancel()
+        return
 
 
 async def reload(daemon, config_path: str | None, overrides: dict | None) -> None:
@@ -136,6 +174,8 @@ async def reload(daemon, config_path: str | None, overrides: dict | None) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    stops = StopSignals()
+    stops.install()  # before the slow imports: Ctrl-C while starting stops quietly
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     from sluice.actors.supervisor import Escalation
@@ -153,11 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigFileError, SocketPathError, StartupError, TypeError, ValueError) as exc:
         print(f"sluiced: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    if stops.received:
+        return 0
     from sluice.daemon.server import WorkerStartFailed
 
     code = 0
     try:
-        code = trio.run(serve, config, args.config, overrides)
+        code = trio.run(serve, config, args.config, overrides, stops)
     except* Escalation as group:
         escalation = _first_leaf(group)
         cause = escalation.__cause__ and _first_leaf(escalation.__cause__)

@@ -221,7 +221,10 @@ class Executor(Actor):
                     endpoint = f"ipc://{self._runtime}/worker-{os.getpid()}-{next(self._serial)}"
                     self.sock = Socket(zmq.PAIR)
                     self.sock.bind(endpoint)
-                    self.process = await trio.lowlevel.open_process(self._command(endpoint))
+                    # a process group of its own: a terminal's Ctrl-C goes to the daemon,
+                    # which drains and then stops its worker
+                    self.process = await trio.lowlevel.open_process(self._command(endpoint),
+                                                                    process_group=0)
                     self.pid = self.process.pid
                     with trio.fail_after(self.spec.startup_timeout):
                         await self._handshake_unless_exited()

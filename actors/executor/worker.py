@@ -6,7 +6,8 @@ serves requests one at a time: a `StepPlan` (-> a `StepResult`, or `StepOutOfMem
 its forward ran out of memory: the worker lives on and the step can be planned again
 smaller) or a `HealthCheck` (a known-answer forward on a fresh pool). It dies with its
 parent, whatever it is doing then: a worker left behind by a killed daemon would hold its
-memory (and a GPU) for nobody.
+memory (and a GPU) for nobody. It ignores SIGINT (a terminal's Ctrl-C is the daemon's, which
+stops its worker after draining).
 
 The protocol on this socket lives here too, so both ends share it: typed messages (`Hello`,
 `HealthCheck`, `HealthAnswer`, `WorkerError`, `StepOutOfMemory`, the test fault
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import signal
 import sys
 import threading
 import time
@@ -215,6 +217,9 @@ def die_with_parent(parent: int | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # the daemon stops its worker (and a worker outlives no daemon, see `die_with_parent`):
+    # an interrupt meant for the daemon is not the worker's, nor a reason for a traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = _parse(sys.argv[1:] if argv is None else argv)
     threads = args.threads
     if args.cpus:
