@@ -8,7 +8,8 @@ commands (drain, resume, reconcile, recover, cancel, tenant set) are answered wi
 `CommandReply`; what the scheduler owns is done by the scheduler (`Operate`), the
 `vanish_stream` fault by the gateway (`Operate`), the worker's restart and the `worker_down`
 fault by hooks the daemon provides (they start and stop a supervised actor). Fault injection
-exists only when the daemon was configured for it.
+exists only when the daemon was configured for it. A number no daemon takes (a negative or
+NaN drain deadline, an infinite weight, an integer past 2**53) is `Rejected` naming its field.
 
 `Questions` is how anything outside the actors (the Control actor, the daemon's boot and
 drain, `/health`, the metrics and `STATUS=`) learns an actor's state: ask by message, wait
@@ -17,7 +18,9 @@ for the `Reply`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
@@ -37,6 +40,31 @@ log = structlog.get_logger("sluice.control")
 
 
 SNAPSHOT_INTERVAL = 0.25  # seconds between snapshots to subscribers
+# past 2**53 an integer is no longer exact as a float, which limits become (token rates)
+MAX_EXACT_INT = 2**53
+WEIGHTS = (1e-6, 1e6)  # a tenant's fair-share weight; outside, shares overflow or vanish
+
+
+def invalid_field(command: object) -> tuple[str, str] | None:
+    """(field, what is wrong) for the first number of an operator command no daemon takes:
+    NaN or infinite, an integer past `MAX_EXACT_INT`, a negative drain deadline, a positive
+    weight outside `WEIGHTS`. Limits' own ranges (> 0, >= 1) are the scheduler's to say."""
+    if isinstance(command, m.DrainCommand) and command.deadline is not None:
+        deadline = command.deadline
+        if not (math.isfinite(deadline) and deadline >= 0):
+            return "deadline", (f"must be a number of seconds >= 0 (none: wait for every "
+                                f"running request), got {deadline!r}")
+    if isinstance(command, m.TenantSet) and command.weight is not None:
+        low, high = WEIGHTS  # (<= 0 is the scheduler's to refuse, as for the config file)
+        if command.weight > 0 and not low <= command.weight <= high:
+            return "weight", f"must be from {low:g} to {high:g}, got {command.weight!r}"
+    for field in dataclasses.fields(command):
+        value = getattr(command, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return field.name, f"must be a finite number, got {value!r}"
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INT:
+            return field.name, f"must be at most {MAX_EXACT_INT} in size, got {value}"
+    return None
 
 
 @dataclass
@@ -185,6 +213,9 @@ class Control(Actor):
                 if len(rest) != 1:
                     raise CodecError("expected exactly one frame", field="frame")
                 query = self.codec.decode(rest[0])
+                if problem := invalid_field(query):
+                    field, why = problem
+                    raise CodecError(f"{field} {why}", field=field)
                 if isinstance(query, m.StatusQuery):
                     answer = await self.status(query)
                 else:

@@ -4,6 +4,7 @@ past the deadline). The daemon keeps running; `sluice resume` admits again."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from sluice.tui.operator import add_common_arguments, run_command
 
@@ -15,6 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sluice.actors.control import invalid_field
     from sluice.ipc import messages as m
 
-    return run_command(args, m.DrainCommand(args.deadline))
+    command = m.DrainCommand(args.deadline)
+    if problem := invalid_field(command):
+        print(f"sluice drain: --deadline {problem[1]}", file=sys.stderr)
+        return 2
+    return run_command(args, command)

@@ -37,9 +37,16 @@ def run(args: argparse.Namespace) -> int:
         if not args.name:
             print("sluice tenants set: a tenant NAME is required", file=sys.stderr)
             return 2
+        from sluice.actors.control import invalid_field
+
         limits = {k: getattr(args, _DEST.get(k, k)) for k in _LIMITS}
-        return run_command(args, m.TenantSet(args.name, weight=args.weight, **limits,
-                                             reset=args.reset))
+        command = m.TenantSet(args.name, weight=args.weight, **limits, reset=args.reset)
+        if problem := invalid_field(command):
+            field, why = problem
+            print(f"sluice tenants set: --{_DEST.get(field, field).replace('_', '-')} {why}",
+                  file=sys.stderr)
+            return 2
+        return run_command(args, command)
     return _list(args)
 
 
