@@ -70,6 +70,7 @@ def test_unit_is_notify_type_with_watchdog_restart_and_hardening() -> None:
         "NoNewPrivileges": "yes", "ProtectSystem": "strict", "PrivateTmp": "yes",
         "ProtectHome": "yes", "ProtectKernelTunables": "yes", "ProtectControlGroups": "yes",
         "RestrictSUIDSGID": "yes", "RuntimeDirectory": "sluice", "User": "sluice",
+        "KillMode": "mixed",  # the worker keeps stepping while the daemon drains
     }
     for key, value in expected.items():
         assert service.get(key) == [value], key
