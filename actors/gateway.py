@@ -72,6 +72,7 @@ class Gateway(Actor):
         make_stream: Callable[[bytes], Stream],
         info: m.ServerInfo,
         limits: Limits = Limits(),
+        fd_share: float = 1.0,  # of the descriptors past the reserve: 0.5 beside the HTTP front
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 10.0,
         inbox: Inbox | None = None,
@@ -92,7 +93,7 @@ class Gateway(Actor):
         self.supervisor = supervisor
         self.make_stream = make_stream
         self.limits = limits
-        self.connection_cap = limits.connection_cap()
+        self.connection_cap = limits.connection_cap(fd_share)
         self.heartbeat = (heartbeat_interval, heartbeat_timeout)
         self.info = replace(info, max_frame_bytes=limits.max_frame_bytes,
                             max_credits=limits.max_credits)

@@ -63,14 +63,16 @@ class Limits:
         if self.max_credits < 1:  # no request could ever be sent a chunk
             raise ValueError(f"limits.max_credits: must be at least 1, got {self.max_credits}")
 
-    def connection_cap(self) -> int:
-        """Live connections allowed: the configured cap, or what the fd limit leaves room for."""
+    def connection_cap(self, fd_share: float = 1.0) -> int:
+        """Live connections allowed: the configured cap, or what `fd_share` of the descriptors
+        the fd limit leaves past `reserved_fds` has room for (the HTTP front, when it runs,
+        has the other half)."""
         if self.max_connections is not None:
             return self.max_connections
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft == resource.RLIM_INFINITY:
             soft = 1 << 20
-        return max(1, (soft - self.reserved_fds) // _FDS_PER_CONNECTION)
+        return max(1, int((soft - self.reserved_fds) * fd_share) // _FDS_PER_CONNECTION)
 
     def inbound_connections(self) -> int:
         """Connections whose queues may hold frames at once, within `max_inbound_frames`."""

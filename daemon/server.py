@@ -164,6 +164,8 @@ class Daemon:
                                    make_stream=make_stream,
                                    info=m.ServerInfo(m.PROTOCOL_VERSION, model_name, max_model_len),
                                    limits=cfg.limits,
+                                   # the HTTP front, when on, takes the other half
+                                   fd_share=1.0 if cfg.http.listen is None else 0.5,
                                    heartbeat_interval=cfg.stream.heartbeat_interval,
                                    heartbeat_timeout=cfg.stream.heartbeat_timeout,
                                    inbox=gateway_inbox, backlog_to=scheduler_inbox,
