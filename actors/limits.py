@@ -20,6 +20,9 @@ _FDS_PER_CONNECTION = 4
 class Limits:
     # bytes of one client frame; ZeroMQ's MAXMSGSIZE drops a larger frame's peer unread
     max_frame_bytes: int = 4 * 1024 * 1024
+    # items of one array in a client frame (a prompt's token ids, chat messages): a longer one
+    # is refused as its header is read, before the frame is decoded
+    max_frame_items: int = 1 << 20
     # live connections (Streams); None: derived from RLIMIT_NOFILE, `reserved_fds` kept spare
     max_connections: int | None = None
     reserved_fds: int = 256

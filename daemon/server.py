@@ -147,7 +147,8 @@ class Daemon:
                                        usage=usage_inbox, max_model_len=max_model_len)
             tokenizer_inbox = self._inboxes["tokenizer"] = self.tokenizer.inbox
             codec = Codec(m.SERVER_MESSAGES, max_frame_bytes=cfg.limits.max_frame_bytes)
-            client_codec = Codec(m.CLIENT_MESSAGES, max_frame_bytes=cfg.limits.max_frame_bytes)
+            client_codec = Codec(m.CLIENT_MESSAGES, max_frame_bytes=cfg.limits.max_frame_bytes,
+                                 max_items=cfg.limits.max_frame_items)
             gateway_inbox = self._inboxes["gateway"] = Inbox("gateway")
             self.scheduler = SchedulerActor(make_core, tokenizer=tokenizer_inbox,
                                             executor=executor_inbox, inbox=scheduler_inbox,

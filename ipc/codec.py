@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -351,8 +352,15 @@ class Codec:
         accepts: Iterable[type] = m.WIRE_MESSAGES,
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_items: int | None = None,
     ):
         self.max_frame_bytes = max_frame_bytes
+        # items of any one array or map in a frame (None: as many as its bytes can hold). A
+        # longer one is refused at its header, before a single item is built: decoding a
+        # frame of millions of token ids would hold the event loop for a tenth of a second
+        self.max_items = max_items
+        self._item_limits = {} if max_items is None else {"max_array_len": max_items,
+                                                          "max_map_len": max_items}
         self._by_tag: dict[int, type] = {cls.TAG: cls for cls in accepts}
         for cls in (*m.WIRE_MESSAGES, *self._by_tag.values()):
             _schema(cls)
@@ -403,10 +411,15 @@ class Codec:
             )
         try:
             return msgpack.unpackb(
-                frame, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext
+                frame, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext,
+                **self._item_limits,
             )
         except _FieldError as exc:
             raise CodecError(exc.message, field="frame") from None
+        except ValueError as exc:
+            if self.max_items is not None and (over := _OVER_ITEMS.match(str(exc))):
+                raise _too_many_items(frame, int(over[1]), self.max_items) from None
+            raise CodecError(f"not a msgpack frame ({type(exc).__name__})", field="frame") from None
         except Exception as exc:  # msgpack raises many types for garbage input
             raise CodecError(f"not a msgpack frame ({type(exc).__name__})", field="frame") from None
 
@@ -434,6 +447,36 @@ class Codec:
             raise CodecError(exc.message, field=exc.path, request_id=_request_id(body)) from None
         except (TypeError, ValueError) as exc:  # a dataclass __post_init__ refused the value
             raise CodecError(str(exc), field=cls.__name__, request_id=_request_id(body)) from None
+
+
+_OVER_ITEMS = re.compile(r"(\d+) exceeds max_(?:array|map)_len")
+
+
+def _too_many_items(frame: bytes, count: int, limit: int) -> CodecError:
+    """The refusal of a frame with an array or map past `limit`, naming the request and the
+    top-level field that holds it where the message's fields before it say so."""
+    request_id, field = "", "frame"
+    unpacker = msgpack.Unpacker(raw=False, max_array_len=limit, max_map_len=limit,
+                                ext_hook=_reject_ext)
+    unpacker.feed(frame)
+    try:
+        if unpacker.read_array_header() == 4:  # [major, minor, tag, body]
+            for _ in range(3):
+                unpacker.skip()
+            for _ in range(unpacker.read_map_header()):
+                key = unpacker.unpack()
+                try:
+                    value = unpacker.unpack()
+                except ValueError:
+                    field = key if type(key) is str else field
+                    break
+                if key == "request_id" and type(value) is str:
+                    request_id = value
+    except Exception:  # noqa: BLE001 - garbage past the oversize header: name no more
+        pass
+    code = m.RejectCode.TOO_LONG if field in ("prompt_ids", "messages") else m.RejectCode.INVALID
+    return CodecError(f"{count} items exceed limits.max_frame_items = {limit}", field=field,
+                      code=code, request_id=request_id)
 
 
 def _request_id(body: Any) -> str:

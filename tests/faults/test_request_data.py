@@ -190,12 +190,20 @@ async def test_a_prompt_of_millions_of_ids_is_refused_by_its_length(null_daemon)
                 "prompt", "context_length_exceeded")
             assert f"max_model_len {context}" in answer["error"]["message"]
             with RawPeer(handle.listen) as peer:
-                await peer.socket.send(frame(request_id="long", prompt_ids=[1] * 4_000_000
+                # past limits.max_frame_items: refused at the array's header, undecoded
+                await peer.socket.send(frame(request_id="huge", prompt_ids=[1] * 4_000_000
+                                             + [10**6], sampling={"max_tokens": 1}))
+                [refused] = await peer.until_finished("huge")
+                assert isinstance(refused, m.Rejected), refused
+                assert (refused.code, refused.field) == (m.RejectCode.TOO_LONG, "prompt_ids")
+                assert "4000001 items exceed limits.max_frame_items" in refused.message
+                # within it, past the context: the Tokenizer refuses it by its length alone
+                await peer.socket.send(frame(request_id="long", prompt_ids=[1] * 500_000
                                              + [10**6], sampling={"max_tokens": 1}))
                 [refused] = await peer.until_finished("long")
             assert isinstance(refused, m.Rejected), refused
             assert (refused.code, refused.field) == (m.RejectCode.TOO_LONG, "prompt_ids")
-            assert "4000001 tokens" in refused.message
+            assert "500001 tokens" in refused.message
             await finishes_normally(running)
             # one at the context's edge still gets its ids checked
             with pytest.raises(InvalidRequestError) as refused_id:

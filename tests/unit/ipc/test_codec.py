@@ -168,6 +168,23 @@ def test_oversize_frame_is_refused_before_parsing() -> None:
     assert err.field == "frame" and "exceeds" in err.message
 
 
+def test_an_array_past_max_items_is_refused_at_its_header_naming_request_and_field() -> None:
+    codec = Codec(m.CLIENT_MESSAGES, max_items=100)
+    frame = codec.encode(m.Generate("r1", prompt_ids=tuple(range(101))))
+    with pytest.raises(CodecError) as refused:
+        codec.decode(frame)
+    assert (refused.value.request_id, refused.value.field, refused.value.code) == (
+        "r1", "prompt_ids", m.RejectCode.TOO_LONG)
+    assert refused.value.message == "101 items exceed limits.max_frame_items = 100"
+    stops = m.Generate("r2", prompt="hi", sampling=m.SamplingParams(stop=("x",) * 101))
+    with pytest.raises(CodecError) as refused:  # nested: the top-level field is named
+        codec.decode(codec.encode(stops))
+    assert (refused.value.request_id, refused.value.field, refused.value.code) == (
+        "r2", "sampling", m.RejectCode.INVALID)
+    assert codec.decode(codec.encode(m.Generate("r3", prompt_ids=tuple(range(100))))) \
+        .prompt_ids == tuple(range(100))  # at the limit: taken
+
+
 def test_json_shape_uses_names_for_enums() -> None:
     plain = to_plain(m.Finished("a", m.FinishReason.STOP))
     assert plain["reason"] == "stop" and plain["usage"]["prompt_tokens"] == 0
