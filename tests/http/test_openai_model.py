@@ -11,6 +11,7 @@ import openai
 import trio
 
 from sluice.ipc.client import AsyncClient
+from sluice.ipc.control import fetch_status
 from sluice.ipc.vocabulary import SamplingParams
 
 CHAT = [{"role": "user", "content": "Name three rivers in Europe."}]
@@ -67,7 +68,9 @@ async def test_a_seeded_sampled_request_repeats_while_others_load_the_daemon(mod
         async with trio.open_nursery() as nursery:
             for _ in range(2):
                 nursery.start_soon(load, loaded)
-            await trio.sleep(0.2)  # the load is running when the seeded request arrives
+            # the load is running when the seeded request arrives
+            while (await fetch_status(model_daemon.control)).requests.running == 0:
+                await trio.sleep(0.02)
             again = await trio.to_thread.run_sync(seeded)
     assert again == alone and alone.strip()
     assert len(loaded) == 6
