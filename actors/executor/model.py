@@ -1,9 +1,10 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias) over one
-flattened batch of tokens and a paged KV pool.
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with
+per-head q/k norms) over one flattened batch of tokens and a paged KV pool.
 
 There is one forward for everything: prefill chunks and decode tokens of many sequences are
 concatenated; attention reads each sequence's context through its block table. Weight
-loading lives in `loader.py`, batching in `runner.py`; attention in `sluice.kernels`.
+loading lives in `loader.py`, batching in `runner.py`, rotary tables (with their scaling) in
+`rotary.py`; attention in `sluice.kernels`.
 
 Weights run in the model dtype (the KV pool may have its own); the residual add and RMSNorm
 are one function and rotary covers q and k in one pass, both computed in float32 with the
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sluice import kernels
+from sluice.actors.executor.rotary import RopeScaling, rotary_tables
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before rotary
+    rope_scaling: RopeScaling | None = None
 
     def flops_per_token(self) -> float:
         """Matmul FLOPs of one token's forward, lm_head included (attention scores excluded)."""
@@ -55,7 +59,8 @@ class AttentionInputs:
 
 
 class _Layer:
-    __slots__ = ("input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down")
+    __slots__ = ("input_norm", "qkv", "qkv_bias", "qk_norm", "o_proj", "post_norm", "gate_up",
+                 "down")
 
 
 class LlamaModel:
@@ -88,11 +93,19 @@ class LlamaModel:
                 torch.cat([take(prefix + n) for n in ("q_bias", "k_bias", "v_bias")])
                 if config.qkv_bias else None
             )
+            # one weight row per q head then per k head: one norm over both heads' sets
+            layer.qk_norm = (
+                torch.cat([take(prefix + "q_norm").expand(config.num_heads, -1),
+                           take(prefix + "k_norm").expand(config.num_kv_heads, -1)])
+                if config.qk_norm else None
+            )
             layer.o_proj = take(prefix + "o_proj")
             layer.gate_up = torch.cat([take(prefix + "gate_proj"), take(prefix + "up_proj")])
             layer.down = take(prefix + "down_proj")
             self.layers.append(layer)
-        self.cos, self.sin = _rotary_tables(config, self.device)
+        self.cos, self.sin = rotary_tables(config.head_dim, config.rope_theta,
+                                           config.max_position_embeddings, config.rope_scaling,
+                                           self.device)
         self.scale = config.head_dim ** -0.5
         # oneDNN, which runs torch's reduced-precision matmuls on the host, compiles and keeps
         # kernels for every row count it meets (about 1.5 MB each here): unpadded, a worker's
@@ -143,9 +156,11 @@ class LlamaModel:
         for layer, (key_cache, value_cache) in zip(self.layers, kv_pool):
             normed, residual = _add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
-            # q and k sit side by side in qkv's rows: one rotary pass over both heads' sets
-            qk = _rotate(qkv[:, :q_size + kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads,
-                                                        cfg.head_dim), cos, sin)
+            # q and k sit side by side in qkv's rows: one norm and one rotary pass over both
+            qk = qkv[:, :q_size + kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            if layer.qk_norm is not None:
+                qk, _ = _add_rms_norm(qk, None, layer.qk_norm, cfg.rms_norm_eps)
+            qk = _rotate(qk, cos, sin)
             q, k = qk[:rows].split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:rows, q_size + kv_size:].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             kernels.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
@@ -218,16 +233,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
-def _rotary_tables(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
-    # kept in float32 whatever the model dtype: rotary is computed in float32 (see _rotate)
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(device), angles.sin().to(device)
-
-
 def _weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, q = config.hidden_size, config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
@@ -245,6 +250,8 @@ def _weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         })
         if config.qkv_bias:
             shapes.update({p + "q_bias": (q,), p + "k_bias": (kv,), p + "v_bias": (kv,)})
+        if config.qk_norm:
+            shapes.update({p + "q_norm": (config.head_dim,), p + "k_norm": (config.head_dim,)})
     return shapes
 
 
