@@ -3,17 +3,21 @@
     .venv/bin/python benchmarks/soak.py --minutes 0.5                      # null executor
     .venv/bin/python benchmarks/soak.py --executor model --minutes 2
     .venv/bin/python benchmarks/soak.py --hostile flood --chaos none       # one mode alone
+    .venv/bin/python benchmarks/soak.py --hostile http --chaos none        # the HTTP front's
+    .venv/bin/python benchmarks/soak.py --listen ipc --hostile garbage_churn --chaos none
 
 Phases, against one `sluiced serve` child process on loopback: warm-up; a quiet baseline
 (the well-behaved clients alone); the soak (the same clients beside the hostile modes of
 `soak_hostile.py`, with the faults of `soak_daemon.py` at intervals); then the settle (every
 client gone, the daemon must drain to no live request and no used KV block, with the KV
-invariant holding). One JSON object goes to stdout, progress to stderr; the exit status is 1
-when the report lists a problem. A frozen daemon is reported, not waited for: every wait
-here has a timeout.
+invariant holding). The daemon's clients reach it over tcp:// or, with `--listen ipc`, an
+ipc:// socket; with an `http_*` mode its HTTP front runs too, and HTTP clients join the
+well-behaved ones. Its RSS is read every second. One JSON object goes to stdout, progress to
+stderr; the exit status is 1 when the report lists a problem. A frozen daemon is reported,
+not waited for: every wait here has a timeout.
 
-This file holds the phases, the well-behaved clients (the client library, as applications
-use it) and the report.
+This file holds the phases, the well-behaved ZeroMQ clients (the client library, as
+applications use it) and the report; the well-behaved HTTP client is in `soak_http.py`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from sluice.ipc.errors import RejectedError, SluiceError
 import soak_daemon as sd
 import soak_faults as sf
 import soak_hostile as sh
+from soak_http import (HTTP_KEYS, WEB_STRANGERS, WEB_TRICKLERS, model_name,
+                       well_behaved_http_client)
 from soak_report import log_findings, problems, summary
 from soak_wire import PROMPT_MARK
 
@@ -50,6 +56,7 @@ class WellBehaved:
     accepted: int = 0
     without_finished: int = 0  # accepted, then no Finished within the timeout
     failures: Counter = field(default_factory=Counter)  # what went wrong -> n
+    reconnects: int = 0  # HTTP: kept-alive connections the daemon closed while idle
 
     def report(self, outages: list[tuple[float, float]] = ()) -> dict:
         """`outages`: (from, to) on the trio clock while faults kept the daemon from serving;
@@ -58,6 +65,7 @@ class WellBehaved:
                   "accepted": self.accepted, "completed": len(self.latencies),
                   "without_finished": self.without_finished,
                   "failed": sum(self.failures.values()), "failures": dict(self.failures),
+                  "reconnects": self.reconnects,
                   "p50_seconds": _quantile(self.latencies, 0.50),
                   "p99_seconds": _quantile(self.latencies, 0.99)}
         if outages:
@@ -137,16 +145,20 @@ async def hostile_process(command: list[str], into: dict) -> None:
                          f"{done.stderr.decode(errors='replace')[-2000:]}")
 
 
-async def run_clients(args, listen: str, seconds: float, record: WellBehaved,
-                      extra=None) -> None:
+async def run_clients(args, daemon: sd.DaemonProcess, seconds: float, record: WellBehaved,
+                      extra=None, web: WellBehaved | None = None) -> None:
     """The well-behaved clients (and `extra(nursery, stop)`) for `seconds`, then stop them;
-    past a grace period whatever still waits is cancelled."""
+    past a grace period whatever still waits is cancelled. `web`: the HTTP clients' record,
+    when they run."""
     stop = trio.Event()
     with trio.move_on_after(seconds + args.request_timeout + 10):
         async with trio.open_nursery() as nursery:
             for number in range(args.clients):
-                nursery.start_soon(well_behaved_client, listen, number, args.max_tokens,
+                nursery.start_soon(well_behaved_client, daemon.listen, number, args.max_tokens,
                                    args.request_timeout, record, stop)
+            for number in range(args.http_clients if web is not None else 0):
+                nursery.start_soon(well_behaved_http_client, daemon.http, args.http_model,
+                                   number, args.max_tokens, args.request_timeout, web, stop)
             if extra is not None:
                 # applications hold their connections: the hostile ones (a hoarder among
                 # them) start once every well-behaved client is connected and served
@@ -177,23 +189,40 @@ async def settle(control: str, timeout: float) -> dict:
         return {"error": f"no status: {exc}"}
     return {"worker": asdict(report.worker), "kv": asdict(report.kv),
             "requests": asdict(report.requests), "counters": asdict(report.counters),
-            "connections": report.connections, "invariant_errors": list(report.invariant_errors)}
+            "connections": report.connections, "gateway": asdict(report.gateway),
+            "invariant_errors": list(report.invariant_errors)}
 
 
 async def soak(args, daemon: sd.DaemonProcess) -> dict:
-    report: dict = {"executor": args.executor, "minutes": args.minutes,
+    """The phases, with the daemon's RSS read every second meanwhile."""
+    rss = sd.RssWatch(daemon.pid)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rss.watch)
+        report = await phases(args, daemon, rss)
+        nursery.cancel_scope.cancel()
+    report["daemon_rss"] = rss.report()
+    return report
+
+
+async def phases(args, daemon: sd.DaemonProcess, rss: sd.RssWatch) -> dict:
+    report: dict = {"executor": args.executor, "minutes": args.minutes, "listen": args.listen,
                     "hostile_modes": args.hostile, "chaos_kinds": args.chaos}
+    if daemon.http:
+        args.http_model = await model_name(daemon.http)
     progress("warm-up")
     warm = WellBehaved()
-    await run_clients(argparse.Namespace(**{**vars(args), "clients": 1}), daemon.listen,
+    await run_clients(argparse.Namespace(**{**vars(args), "clients": 1}), daemon,
                       args.warmup_seconds, warm)
     report["memory_after_warmup"] = sd.memory(daemon)
 
-    progress(f"baseline: {args.clients} well-behaved clients for {args.baseline_seconds:g}s")
+    progress(f"baseline: {args.clients} well-behaved clients"
+             f"{f' and {args.http_clients} over HTTP' if daemon.http else ''}"
+             f" for {args.baseline_seconds:g}s")
     baseline, quiet = WellBehaved(), sd.Liveness()
-    await run_clients(args, daemon.listen, args.baseline_seconds, baseline,
+    web_baseline, web_loaded = (WellBehaved(), WellBehaved()) if daemon.http else (None, None)
+    await run_clients(args, daemon, args.baseline_seconds, baseline,
                       lambda nursery, stop: nursery.start_soon(
-                          quiet.watch, daemon.listen, trio.current_time(), stop))
+                          quiet.watch, daemon.listen, trio.current_time(), stop), web_baseline)
 
     progress(f"soak: {args.minutes:g} min with {','.join(args.hostile) or 'no hostiles'}"
              f" and {','.join(args.chaos) or 'no faults'}")
@@ -202,7 +231,11 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
                    request_timeout=args.request_timeout,
                    non_readers=2 if args.executor == "model" else 4,
                    storm_requests=8 if args.executor == "model" else 16,
-                   hoard_connections=sd.MAX_CONNECTIONS + 32)
+                   hoard_connections=sd.MAX_CONNECTIONS + 32,
+                   http=daemon.http or "", http_key=HTTP_KEYS[WEB_STRANGERS],
+                   http_trickle_key=HTTP_KEYS[WEB_TRICKLERS],
+                   http_model=args.http_model,
+                   http_flood_connections=2 * sd.HTTP_CONNECTIONS)
     hostile: dict = {}
     faults: list[dict] = []
     origins: list[float] = []
@@ -210,6 +243,7 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
     def hostiles(nursery: trio.Nursery, stop: trio.Event) -> None:
         origin = trio.current_time()  # times of freezes and faults count from here
         origins.append(origin)
+        rss.mark_baseline()
         nursery.start_soon(liveness.watch, daemon.listen, origin, stop)
         if args.hostile:
             nursery.start_soon(hostile_process, sh.command(
@@ -218,7 +252,7 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
         nursery.start_soon(sf.chaos, args.chaos, daemon, origin, args.chaos_interval, stop,
                            faults, args.recovery_timeout, args.long_tokens)
 
-    await run_clients(args, daemon.listen, args.minutes * 60, loaded, hostiles)
+    await run_clients(args, daemon, args.minutes * 60, loaded, hostiles, web_loaded)
 
     progress("settle: every client gone; waiting for the daemon to drain")
     report["daemon_alive_after_soak"] = daemon.alive()
@@ -230,6 +264,7 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
     report["end"] = await settle(daemon.control, settle_seconds) if daemon.alive() \
         else {"error": f"the daemon exited with {daemon.process.returncode}"}
     report["memory_at_end"] = sd.memory(daemon)
+    rss.mark_end()
     # CPU close to wall time while nothing is asked of it: the daemon is spinning
     cpu = [report[k]["daemon_cpu_seconds"] for k in ("memory_after_soak", "memory_at_end")]
     report["settle"] = {"wall_seconds": round(trio.current_time() - settle_started, 1),
@@ -242,6 +277,10 @@ async def soak(args, daemon: sd.DaemonProcess) -> dict:
     for phase in ("baseline", "under_soak"):
         report["well_behaved"][phase]["liveness"] = (quiet if phase == "baseline"
                                                      else liveness).report()
+    if daemon.http:
+        report["well_behaved_http"] = {
+            "baseline": web_baseline.report(),
+            "under_soak": web_loaded.report(outages(faults, origins[0] if origins else None))}
     report["hostile"] = hostile.get("tallies", {})
     if "error" in hostile:
         report["hostile_process_error"] = hostile["error"]
@@ -260,7 +299,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--executor", choices=("null", "model"), default="null")
     parser.add_argument("--minutes", type=float, default=1.0, help="length of the soak phase")
     parser.add_argument("--hostile", default=",".join(sh.MODES),
-                        help=f"comma-separated modes, or none (default all: {','.join(sh.MODES)})")
+                        help=f"comma-separated modes, zmq or http for all of one front's, or "
+                             f"none (default all: {','.join(sh.MODES)})")
+    parser.add_argument("--listen", choices=("tcp", "ipc"), default="tcp",
+                        help="the daemon's client address, for every ZeroMQ client (default "
+                             "tcp: 127.0.0.1, any free port; ipc: a socket in a temporary "
+                             "folder)")
     parser.add_argument("--chaos", default=None,
                         help="comma-separated faults of " + ",".join(sf.CHAOS_KINDS) +
                              ", or none (default: all that apply to the executor)")
@@ -268,6 +312,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds between faults (default 15 null, 120 model)")
     parser.add_argument("--clients", type=int, default=None,
                         help="well-behaved clients (default 4)")
+    parser.add_argument("--http-clients", type=int, default=2,
+                        help="well-behaved HTTP clients, when an http mode runs (default 2)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="per well-behaved request (default 32 null, 8 model)")
     parser.add_argument("--no-pin-worker", dest="pin_worker", action="store_false",
@@ -279,7 +325,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="quiet baseline (default: a quarter of the soak, 5 to 30 s)")
     args = parser.parse_args(argv)
     model = args.executor == "model"
-    args.hostile = _names(args.hostile, sh.MODES, parser, "--hostile")
+    args.hostile = _names(args.hostile, sh.MODES, parser, "--hostile", sh.GROUPS)
+    args.http = any(name in sh.HTTP_MODES for name in args.hostile)
+    args.http_model = ""
     default_chaos = ",".join(sf.CHAOS_KINDS[0 if model else 1:])
     args.chaos = _names(args.chaos or default_chaos, sf.CHAOS_KINDS, parser, "--chaos")
     # at least three faults in a short run. A model worker takes 7-15 s to start again on
@@ -298,8 +346,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _names(text: str, known, parser: argparse.ArgumentParser, flag: str) -> list[str]:
+def _names(text: str, known, parser: argparse.ArgumentParser, flag: str,
+           groups: dict[str, list[str]] | None = None) -> list[str]:
     names = [] if text == "none" else [n.strip() for n in text.split(",") if n.strip()]
+    names = list(dict.fromkeys(m for n in names for m in (groups or {}).get(n, [n])))
     unknown = [n for n in names if n not in known]
     if unknown:
         parser.error(f"{flag}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
@@ -311,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sluice-soak-") as folder:
         progress(f"starting sluiced --executor {args.executor}")
         layout = sd.cpu_layout(args.executor, args.pin_worker)
-        daemon = sd.start_daemon(args.executor, Path(folder), layout)
+        daemon = sd.start_daemon(args.executor, Path(folder), layout, listen=args.listen,
+                                 http=args.http)
         try:
             report = trio.run(soak, args, daemon)
         finally:

@@ -29,6 +29,7 @@ from sluice.ipc.control import fetch_status
 from sluice.ipc.errors import SluiceError
 from sluice.ipc.sockets import Socket
 
+from soak_http import HTTP_KEYS, WEB_STRANGERS, WEB_TRICKLERS
 from soak_wire import HOSTILE_TENANT
 
 # small frames keep oversize probes cheap for this machine; a connection cap the hoarding
@@ -77,6 +78,30 @@ NULL_CONFIG = """
 num_blocks = 4096
 """
 
+# the HTTP front, when an http mode runs: a connection cap the flood passes twice over, a
+# body read and a stalled write given up within seconds, and keys for three tenants, so that
+# each holds at most half of the generations and of the body reads (16: the tricklers hold
+# their share, and every other client's body fits beside it). The hostile tenants are
+# capped as the ZeroMQ one is
+HTTP_CONNECTIONS = 128
+HTTP_BODY_READS = 32
+HTTP_CONFIG = """
+[http]
+max_connections = {http_connections}
+max_concurrent_requests = 64
+max_body_reads = {body_reads}
+read_timeout = 5.0
+send_timeout = 6.0
+
+[http.tenants]
+{tenant_keys}
+"""
+HOSTILE_HTTP_TENANT = """
+[scheduler.tenants.{tenant}]
+max_running = {hostile_running}
+max_queued = 64
+"""
+
 
 @dataclass
 class DaemonProcess:
@@ -85,6 +110,7 @@ class DaemonProcess:
     control: str
     log_path: Path
     log_file: IO[str]
+    http: str | None = None  # HOST:PORT of the HTTP front, when it runs
 
     @property
     def pid(self) -> int:
@@ -105,16 +131,25 @@ def cpu_layout(executor: str, pin_worker: bool) -> dict:
     return {"worker": cpus[-1:], "daemon_and_clients": cpus[:-1]}
 
 
-def start_daemon(executor: str, folder: Path, layout: dict, *,
-                 timeout: float = 300.0) -> DaemonProcess:
+def start_daemon(executor: str, folder: Path, layout: dict, *, listen: str = "tcp",
+                 http: bool = False, timeout: float = 300.0) -> DaemonProcess:
     """Run `sluiced serve` on loopback with the soak config; return once it said ready.
-    Call it before any thread of this process starts: the daemon's CPUs are set here for
-    this whole process, which the daemon inherits (the worker's come from the config)."""
+    `listen`: its client address is tcp:// (any free port) or ipc:// (a socket in `folder`);
+    `http`: the HTTP front runs too. Call it before any thread of this process starts: the
+    daemon's CPUs are set here for this whole process, which the daemon inherits (the
+    worker's come from the config)."""
     os.sched_setaffinity(0, layout["daemon_and_clients"])
     config = folder / "sluiced.toml"
     text = CONFIG.format(max_frame_bytes=MAX_FRAME_BYTES, max_connections=MAX_CONNECTIONS,
                          hostile_tenant=HOSTILE_TENANT,
                          hostile_running=HOSTILE_RUNNING[executor])
+    if http:
+        text += HTTP_CONFIG.format(
+            http_connections=HTTP_CONNECTIONS, body_reads=HTTP_BODY_READS,
+            tenant_keys="\n".join(f'{tenant} = ["{key}"]' for tenant, key in HTTP_KEYS.items()))
+        text += "".join(HOSTILE_HTTP_TENANT.format(
+            tenant=tenant, hostile_running=HOSTILE_RUNNING[executor])
+            for tenant in (WEB_STRANGERS, WEB_TRICKLERS))
     if executor == "model":
         text += MODEL_CONFIG + (f"cpus = {layout['worker']}\n" if layout["worker"] else "")
     else:
@@ -122,10 +157,11 @@ def start_daemon(executor: str, folder: Path, layout: dict, *,
     config.write_text(text)
     log_path = folder / "sluiced.log"
     log_file = open(log_path, "w")
+    address = f"ipc://{folder}/clients.sock" if listen == "ipc" else "tcp://127.0.0.1:0"
     process = subprocess.Popen(
         [sys.executable, "-m", "sluice.daemon.main", "serve", "--config", str(config),
-         "--executor", executor, "--listen", "tcp://127.0.0.1:0",
-         "--control", f"ipc://{folder}/control.sock"],
+         "--executor", executor, "--listen", address,
+         "--control", f"ipc://{folder}/control.sock", *(["--http", "127.0.0.1:0"] * http)],
         stdout=subprocess.PIPE, stderr=log_file, text=True,
         env={**os.environ, "SLUICE_LOG_LEVEL": "info"},
     )
@@ -137,7 +173,8 @@ def start_daemon(executor: str, folder: Path, layout: dict, *,
         log_file.close()
         raise RuntimeError(f"sluiced did not become ready (first line {line!r}); see {log_path}")
     fields = dict(part.split("=", 1) for part in line.split()[2:])
-    return DaemonProcess(process, fields["listen"], fields["control"], log_path, log_file)
+    return DaemonProcess(process, fields["listen"], fields["control"], log_path, log_file,
+                         fields.get("http"))
 
 
 def stop_daemon(daemon: DaemonProcess, timeout: float = 30.0) -> dict:
@@ -217,6 +254,52 @@ def memory(daemon: DaemonProcess) -> dict:
     worker = worker_pid(daemon.pid)
     return {"daemon_rss_mib": rss_mib(daemon.pid), "worker_pid": worker,
             "worker_rss_mib": rss_mib(worker), "daemon_cpu_seconds": cpu_seconds(daemon.pid)}
+
+
+@dataclass
+class RssWatch:
+    """The daemon's VmRSS once a second from its warm-up to its end: the baseline (taken when
+    the hostile clients start), the peak from then on, the value after the settle, and a
+    timeline of at most `points` samples for the report."""
+
+    pid: int
+    samples: list[tuple[float, float]] = field(default_factory=list)  # (trio clock, MiB)
+    baseline_at: float | None = None
+    end_at: float | None = None
+
+    async def watch(self, interval: float = 1.0) -> None:
+        while True:
+            self._sample()
+            await trio.sleep(interval)
+
+    def _sample(self) -> float:
+        now = trio.current_time()
+        rss = rss_mib(self.pid)
+        if rss is not None:
+            self.samples.append((now, rss))
+        return now
+
+    def mark_baseline(self) -> None:
+        self.baseline_at = self._sample()
+
+    def mark_end(self) -> None:
+        self.end_at = self._sample()
+
+    def report(self, points: int = 40) -> dict:
+        if self.baseline_at is None or not self.samples:
+            return {}
+        origin = self.baseline_at
+        baseline = next((rss for at, rss in self.samples if at >= origin), None)
+        after = [(at, rss) for at, rss in self.samples
+                 if at >= origin and (self.end_at is None or at <= self.end_at)]
+        peak_at, peak = max(after, key=lambda sample: sample[1])
+        step = max(1, len(self.samples) // points)
+        return {"baseline_mib": baseline, "peak_mib": peak,
+                "peak_at_seconds": round(peak_at - origin),
+                "end_mib": after[-1][1] if self.end_at is not None else None,
+                "samples": len(self.samples),
+                # [seconds from the baseline (negative: warm-up and quiet phase), MiB]
+                "timeline": [[round(at - origin), rss] for at, rss in self.samples[::step]]}
 
 
 # -- is it still answering? ---------------------------------------------------------------------

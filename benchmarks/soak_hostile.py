@@ -1,12 +1,14 @@
 """Hostile clients for the soak: raw DEALER sockets that speak the wire protocol by hand.
 
 Each mode is one way a stranger can misuse the daemon (never read, flood, send oversize
-frames, vanish mid-stream, cancel in storms, churn connections, hoard connections) and runs until `stop`. Every
-loop is bounded in count and time, every socket has small high-water marks, and traffic goes
-only to the daemon on loopback, so that this process cannot exhaust its own machine's memory
-or file descriptors however the daemon behaves. Modes that read until their requests end
-check that each accepted request got exactly one `Finished`. The protocol spoken by hand is
-in `soak_wire.py`.
+frames, vanish mid-stream, cancel in storms, churn connections, hoard connections, open
+hundreds at once, churn connections that send garbage) and runs until `stop`. The ZeroMQ
+modes speak to the daemon's client address, tcp:// or ipc://; the `http_*` modes, in
+`soak_http_hostile.py`, to its HTTP front. Every loop is bounded in count and time, every
+socket has small high-water marks, and traffic goes only to the daemon on loopback, so that
+this process cannot exhaust its own machine's memory or file descriptors however the daemon
+behaves. Modes that read until their requests end check that each accepted request got
+exactly one `Finished`. The protocol spoken by hand is in `soak_wire.py`.
 
 `soak.py` runs the modes in a process of their own (`command` below), as strangers' clients
 are: sharing one event loop, a flooder's sending would delay the well-behaved clients'
@@ -20,17 +22,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import trio
+import zmq
 
 from sluice.ipc import messages as m
+from sluice.ipc import sockets
 
+from soak_http_hostile import HTTP_MODES
 from soak_wire import (HEARTBEAT_SECONDS, RawClient, Tally, client_codec, generate,
                        read_until_ended)
+
 
 @dataclass
 class Plan:
@@ -47,6 +54,19 @@ class Plan:
     hold_seconds: float = 10.0  # how long a non-reader or flooder keeps its connection
     storm_requests: int = 16  # per cancel storm
     hoard_connections: int = 96  # held at once; more than the daemon's connection cap
+    flood_connections: int = 512  # opened at once by a connection flood, past cap and budget
+    # garbage churn: connections a second per loop, each sending ~50 frames of 1-300 bytes
+    # (over TCP every one leaves a port in TIME_WAIT for a minute: this rate stays clear of
+    # the ephemeral range)
+    garbage_rate: float = 100.0
+    max_rounds: int = 200_000  # per loop of a mode, whatever the time left
+    # the HTTP front, when an http_* mode runs: HOST:PORT, the strangers' key, the model name
+    http: str = ""
+    http_key: str = ""
+    http_trickle_key: str = ""  # the tricklers' tenant's
+    http_model: str = ""
+    http_flood_connections: int = 256  # held at once; twice the front's connection cap
+    tricklers: int = 20  # bodies trickled at once; more than their tenant's share of reads
 
 
 async def _pause(stop: trio.Event, seconds: float) -> None:
@@ -202,18 +222,82 @@ async def hoard(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None
         await _pause(stop, 2.0)
 
 
+async def conn_flood(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None:
+    """Open `flood_connections` at once, each asking for a 2-token generation (a stream, the
+    costliest kind of connection), with no heartbeat and no read; hold them a few seconds,
+    count what came back, close them all, again. Past its cap and budget the daemon refuses
+    or sheds them; those it took time out silent."""
+    for _ in range(plan.max_rounds):
+        if stop.is_set():
+            break
+        clients: list[RawClient] = []
+        try:
+            for i in range(plan.flood_connections):
+                clients.append(RawClient(listen, tally, rcvhwm=4))
+                clients[-1].send(generate(f"f{i}", 2))
+                if i % 64 == 63:
+                    await trio.sleep(0)
+            await _pause(stop, plan.hold_seconds / 2)
+            for client in clients:  # the first frame each got, if any
+                answer = client.poll_frame()
+                if not answer:
+                    tally.outcomes["no answer within the hold"] += 1
+                elif isinstance(answer[0], m.Accepted):
+                    tally.accepted += 1
+                elif isinstance(answer[0], m.Rejected):
+                    tally.rejected[f"{answer[0].code.name.lower()}/{answer[0].field}"] += 1
+                else:
+                    tally.outcomes[f"first answer: {type(answer[0]).__name__}"] += 1
+        finally:
+            for client in clients:
+                client.close()
+        await _pause(stop, 1.0)
+
+
+async def garbage_churn(listen: str, plan: Plan, tally: Tally, stop: trio.Event) -> None:
+    """Connect, send ~50 frames of 1-300 random bytes (no message at all), leave; repeat,
+    `garbage_rate` times a second. Each connection lingers up to 100 ms after its close, so
+    that what it sent reaches the daemon: what the daemon may queue of it is bounded by its
+    inbound budget, and its memory must stay put."""
+    rng = random.Random(0)
+    garbage = rng.randbytes(4096)
+    started = trio.current_time()
+    for turn in range(plan.max_rounds):
+        if stop.is_set():
+            break
+        peer = sockets.context().socket(zmq.DEALER)
+        tally.connections += 1
+        try:
+            peer.connect(listen)
+            for _ in range(rng.randint(40, 60)):
+                start = rng.randrange(len(garbage) - 300)
+                try:
+                    peer.send(garbage[start:start + rng.randint(1, 300)], zmq.NOBLOCK)
+                    tally.frames_sent += 1
+                except zmq.Again:
+                    tally.send_refused += 1
+        finally:
+            peer.close(linger=100)
+        await trio.sleep_until(started + (turn + 1) / plan.garbage_rate)
+
+
 Mode = Callable[[str, Plan, Tally, trio.Event], Awaitable[None]]
 
-MODES: dict[str, Mode] = {
+ZMQ_MODES: dict[str, Mode] = {
     "non_reader": non_reader, "flood": flood, "oversize": oversize,
     "disconnect": disconnect, "cancel_storm": cancel_storm, "churn": churn, "hoard": hoard,
+    "conn_flood": conn_flood, "garbage_churn": garbage_churn,
 }
+MODES: dict[str, Mode] = {**ZMQ_MODES, **HTTP_MODES}
+# names that stand for several modes on the command line
+GROUPS = {"zmq": list(ZMQ_MODES), "http": list(HTTP_MODES)}
 
 
 def loops(name: str, plan: Plan) -> int:
     """How many loops of a mode run at once."""
     return {"non_reader": plan.non_readers, "flood": plan.flooders, "disconnect": 2,
-            "churn": 2}.get(name, 1)
+            "churn": 2, "garbage_churn": 2, "http_trickle": plan.tricklers,
+            "http_non_reader": plan.non_readers}.get(name, 1)
 
 
 def command(listen: str, plan: Plan, modes: list[str], seconds: float) -> list[str]:

@@ -3,7 +3,9 @@
 Everything here reads the report dictionary `soak.py` assembled (and the daemon's log); it
 measures nothing itself. A problem is anything a user of the daemon would call a defect:
 a lost or doubled `Finished`, a KV block still held, a broken invariant, a failed
-well-behaved request, a freeze, prompt text in the log, an unclean stop.
+well-behaved request (ZeroMQ or HTTP), a freeze, an answer to a hostile HTTP client other
+than the one the README promises, the daemon's RSS past its baseline by more than
+`RSS_GROWTH_LIMIT_MIB`, prompt text in the log, an unclean stop.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def log_findings(path: Path) -> dict:
 
 
 LOAD_WARMUP_SECONDS = 120  # hostile load fills allocator arenas and caches in this time
+# the daemon's RSS may rise this far above its baseline (when the hostile clients start)
+# under their load: queues and caches whose bounds are set by the config, not by the load
+RSS_GROWTH_LIMIT_MIB = 200
 
 
 def growth_after_load_warmup(samples: list, last: dict) -> dict:
@@ -107,6 +112,13 @@ def summary(report: dict) -> dict:
         "well_behaved_failed": {"baseline": base["failed"], "under_soak": load["failed"]},
         "freezes": load["liveness"]["freezes"] + base["liveness"]["freezes"],
         "daemon_cpu_while_settling": report["settle"],
+        "daemon_rss_mib": {key: report.get("daemon_rss", {}).get(f"{key}_mib")
+                           for key in ("baseline", "peak", "end")},
+        **({"well_behaved_http": {
+            phase: {key: numbers[key] for key in ("requests", "completed", "failed",
+                                                  "reconnects", "p50_seconds", "p99_seconds")}
+            for phase, numbers in report["well_behaved_http"].items()}}
+           if "well_behaved_http" in report else {}),
     }
 
 
@@ -138,6 +150,18 @@ def problems(report: dict) -> list[str]:
         if frozen["unanswered"]:
             found.append(f"daemon unresponsive ({phase}): {frozen['unanswered']} of "
                          f"{frozen['probes']} probes unanswered, freezes {frozen['freezes']}")
+    for phase, numbers in report.get("well_behaved_http", {}).items():
+        failures = numbers["failures"]
+        expected = (failures.get("error event: error", 0) + failures.get("http 500: error", 0)
+                    if crashes else 0)
+        if numbers["failed"] > expected:
+            found.append(f"{numbers['failed'] - expected} well-behaved HTTP requests failed "
+                         f"({phase}): {failures}")
+    rss = report.get("daemon_rss", {})
+    if rss.get("peak_mib") and rss["peak_mib"] - rss["baseline_mib"] > RSS_GROWTH_LIMIT_MIB:
+        found.append(f"the daemon's RSS peaked at {rss['peak_mib']} MiB, "
+                     f"{rss['peak_mib'] - rss['baseline_mib']:.0f} MiB over its baseline of "
+                     f"{rss['baseline_mib']} MiB ({rss['peak_at_seconds']} s into the soak)")
     never_ended = summary(report)["without_exactly_one_finished"]["daemon_accepted_minus_ended"]
     if never_ended and never_ended > 0:
         found.append(f"{never_ended} requests the daemon accepted neither finished nor live")
@@ -147,6 +171,9 @@ def problems(report: dict) -> list[str]:
         if tally["missing_finished"] or tally["duplicate_finished"]:
             found.append(f"{name}: {tally['missing_finished']} accepted requests without a "
                          f"Finished, {tally['duplicate_finished']} with more than one")
+        unexpected = {k: n for k, n in tally["outcomes"].items() if k.startswith("unexpected")}
+        if unexpected:
+            found.append(f"{name}: answers other than the README's: {unexpected}")
     for fault in report["faults"]:
         if "error" in fault or fault.get("ready_after_seconds", 0) is None:
             found.append(f"fault {fault['kind']} at {fault['at']}s: "

@@ -104,6 +104,16 @@ class RawClient:
                 return []
         return []
 
+    def poll_frame(self) -> list | None:
+        """The messages of a frame already received, without waiting; None when there is none."""
+        try:
+            return _server_codec.decode_batch(self.sock.zmq.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return None
+        except CodecError as exc:
+            self.tally.outcomes[f"undecodable reply: {exc.message[:60]}"] += 1
+            return []
+
     def close(self) -> None:
         self.sock.close()
 
