@@ -121,7 +121,7 @@ class Gateway(Actor):
         self.listener = ListenerGuard(
             self.socket, peers=self.peers, cap=self.connection_cap + max(1, spare // 8),
             inbound_connections=self.limits.inbound_connections(),
-            brake_margin=max(1, spare // 4))
+            brake_margin=max(1, spare // 4), fd_reserve=max(1, spare // 2))
         self.address = self.listener.bind(self.address or self.listen)
 
     def _limit_peers(self, router: zmq.Socket) -> None:

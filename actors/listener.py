@@ -7,8 +7,10 @@ connection accepted past a budget is *shed*: shut down at once, before anything 
 The budgets are the connection cap (descriptors) and the inbound frames (`peer_recv_hwm` per
 pipe, for live connections and for those gone whose frames are still queued: libzmq delivers
 a disconnected peer's frames). If shedding falls behind (more connections past the cap than
-`brake_margin`), the listener is unbound, which in libzmq also drops every connection it
-accepted, and bound again once it has closed: a last resort that keeps the daemon alive.
+`brake_margin`) *and* the process's descriptors come within `fd_reserve` of its limit, the
+listener is unbound, which in libzmq also drops every connection it accepted, and bound again
+once it has closed: a last resort that keeps the daemon alive. A storm of reconnects far from
+the fd limit (shed peers that come straight back) is shed, never braked.
 
 What does not belong here: frames and peers by routing id (`gateway`, `peers`).
 """
@@ -16,7 +18,10 @@ What does not belong here: frames and peers by routing id (`gateway`, `peers`).
 from __future__ import annotations
 
 import itertools
+import os
+import resource
 import socket as pysocket
+import time
 
 import structlog
 import trio
@@ -29,6 +34,10 @@ from sluice.ipc.sockets import Socket
 log = structlog.get_logger("sluice.listener")
 
 REBIND_PAUSE = 1.0  # seconds between the listener's close and binding it again
+# past the brake margin the descriptors in use are counted again after this many more
+# accepts or this many seconds, whichever comes first (a count lists /proc/self/fd)
+FD_RECOUNT_ACCEPTS = 32
+FD_RECOUNT_SECONDS = 0.01
 # not EVENT_ACCEPT_FAILED: a TCP listener out of descriptors retries its accept in a busy
 # loop, and an event per try would hand this task (and the I/O thread it throttles) that loop
 EVENTS = (zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
@@ -38,12 +47,14 @@ _monitors = itertools.count()
 
 class ListenerGuard:
     def __init__(self, router: Socket, *, peers: PeerBook, cap: int, inbound_connections: int,
-                 brake_margin: int):
+                 brake_margin: int, fd_reserve: int):
         self.router = router
         self.peers = peers  # where connections shed are counted as refused
         self.cap = cap  # live connections, at most
         self.inbound_connections = inbound_connections  # pipes that may hold frames
         self.brake_margin = brake_margin
+        self.fd_reserve = fd_reserve  # descriptors short of the limit at which it brakes
+        self._fds_counted = (0, float("-inf"), False)  # (live, when, near the limit) then
         self.live = 0  # accepted and not yet disconnected
         self.gone_unread = 0  # disconnected since the gateway last read its socket empty
         self.brakes = 0  # times the listener was unbound
@@ -91,7 +102,8 @@ class ListenerGuard:
             self.live += 1
             if self.live > self.cap or self.live + self.gone_unread > self.inbound_connections:
                 self._shed(value)
-            if self.live > self.cap + self.brake_margin and not self._braked:
+            if (self.live > self.cap + self.brake_margin and not self._braked
+                    and self._near_fd_limit()):
                 self._brake()
         elif event == zmq.EVENT_DISCONNECTED:
             self.live = max(0, self.live - 1)
@@ -101,6 +113,22 @@ class ListenerGuard:
         elif event == zmq.EVENT_CLOSED:
             # the listener closed and its connections with it, without an event each
             self._local, self.live = None, 0
+
+    def _near_fd_limit(self) -> bool:
+        """Whether the process's descriptors in use are within `fd_reserve` of its limit,
+        counted again only after `FD_RECOUNT_ACCEPTS` accepts or `FD_RECOUNT_SECONDS`."""
+        live, when, near = self._fds_counted
+        now = time.monotonic()
+        if abs(self.live - live) < FD_RECOUNT_ACCEPTS and now - when < FD_RECOUNT_SECONDS:
+            return near
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        try:
+            in_use = len(os.listdir("/proc/self/fd"))
+        except OSError:  # no /proc to count in: the connection count alone decides
+            in_use = soft
+        near = soft != resource.RLIM_INFINITY and in_use >= soft - self.fd_reserve
+        self._fds_counted = (self.live, now, near)
+        return near
 
     def _shed(self, fd: int) -> None:
         """Shut the new connection down (libzmq then closes it): only if the descriptor still

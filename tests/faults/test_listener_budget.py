@@ -209,3 +209,50 @@ async def test_a_tenant_that_owns_keys_is_refused_on_the_plain_socket(null_daemo
             assert "alice" in str(refused.value)
             generation = await client.generate("anyone may use default", max_tokens=2)
             assert (await generation.collect()).finish_reason == "length"
+
+
+STORM = """
+import sys, time, zmq
+from sluice.ipc import messages as m
+from sluice.ipc.codec import Codec
+listen, count, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+ctx = zmq.Context()
+frame = Codec(m.CLIENT_MESSAGES).encode(m.Generate("storm", prompt="hi"))
+peers = []
+for _ in range(count):  # shed ones come straight back: libzmq reconnects after 10 ms
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.RECONNECT_IVL, 10)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(listen)
+    peer.send(frame, zmq.NOBLOCK)
+    peers.append(peer)
+time.sleep(seconds)
+"""
+
+
+async def test_a_reconnect_storm_far_from_the_fd_limit_is_shed_not_braked(
+        tmp_path, daemon_process) -> None:
+    # a small connection cap and a far fd limit: shed peers that reconnect at once make many
+    # more accepts than the cap, which must never unbind the listener (that drops everyone)
+    config = tmp_path / "sluiced.toml"
+    config.write_text("[limits]\nmax_connections = 8\n")
+    process, listen, control = daemon_process(
+        ["--executor", "null", "--config", str(config), "--listen",
+         f"ipc://{tmp_path}/clients.sock", "--control", f"ipc://{tmp_path}/control.sock"],
+        log=tmp_path / "sluiced.log")
+    with trio.fail_after(60):
+        async with AsyncClient(listen) as client:  # connected before the storm
+            held = await client.generate("held through the storm", max_tokens=3000,
+                                         ignore_eos=True)
+            storm = subprocess.Popen([sys.executable, "-c", STORM, listen, "400", "4"])
+            try:
+                while (await fetch_status(control)).gateway.refused_connections < 2000:
+                    await trio.sleep(0.1)
+            finally:
+                storm.kill()
+                storm.wait()
+            await held.cancel()  # it was never dropped: its stream still answers
+            assert (await held.collect()).finish_reason == "cancelled"
+            after = await client.generate("after the storm", max_tokens=3)
+            assert (await after.collect()).finish_reason == "length"
+    assert "client listener unbound" not in (tmp_path / "sluiced.log").read_text()
