@@ -316,9 +316,22 @@ def _hf_config(folder: Path) -> ModelConfig:
             qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
             rope_scaling=rope_scaling,
+            sliding_window=_sliding_window(raw, model_type, config_path),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{config_path}: missing key {exc.args[0]!r}") from exc
+
+
+def _sliding_window(raw: dict, model_type: str, config_path: Path) -> int | None:
+    """The attention window config.json asks for, as transformers applies it: Mistral's
+    `sliding_window` always, Qwen's only with `use_sliding_window`."""
+    window = raw.get("sliding_window")
+    if window is None or (model_type != "mistral" and not raw.get("use_sliding_window")):
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"{config_path}: sliding_window must be a positive integer, "
+                             f"got {window!r}")
+    return window
 
 
 HF_ROPE_SCALING_TYPES = tuple(t for t in ROPE_SCALING_TYPES if t != "frequency_divisors")

@@ -38,6 +38,16 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before rotary
     rope_scaling: RopeScaling | None = None
+    # tokens a query attends back over (Mistral v0.1, Qwen with use_sliding_window): the
+    # served context is held within it, where full attention is what the window computes
+    sliding_window: int | None = None
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence this forward computes as the model was trained to."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     def flops_per_token(self) -> float:
         """Matmul FLOPs of one token's forward, lm_head included (attention scores excluded)."""

@@ -52,8 +52,8 @@ class ModelRunner:
         self.config: ModelConfig = model.config
         self.device = model.device
         self.block_size = block_size
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
+        self.max_model_len = min(max_model_len or self.config.max_context,
+                                 self.config.max_context)
         self._out_of_memory_next = False  # a test fault, see `inject_out_of_memory`
         model.warm_row_counts(max(1, profile_tokens))  # before sizing: what it keeps counts
         self.kv_sizing: KVSizing | None = None  # how the pool was sized, when it was profiled
