@@ -12,10 +12,11 @@ import torch
 
 from sluice.actors.engine import Engine
 from sluice.actors.executor.loader import ModelLoadError, read_model_config, resolve_model_path
-from sluice.actors.executor.model import AttentionInputs, LlamaModel
 from sluice.actors.executor.runner import ModelRunner
 from sluice.actors.scheduler import SchedulerConfig
 from sluice.actors.scheduler.plan import SamplingParams
+
+from test_loader import forward_logits  # one prompt's logits through a fresh pool
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,18 +39,6 @@ ROPE_SCALINGS = {
     "yarn-tuned": ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
                     "beta_fast": 8, "beta_slow": 2, "attention_factor": 1.3}, 128),
 }
-
-
-def forward_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
-    n = len(ids)
-    blocks = -(-n // 16)
-    pool = model.new_kv_pool(blocks, 16)
-    attn = AttentionInputs(slot_mapping=torch.arange(n),
-                           block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-                           query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                           seq_lens=torch.tensor([n], dtype=torch.int32))
-    hidden = model.forward(torch.tensor(ids), torch.arange(n), pool, attn)
-    return model.logits(hidden)
 
 
 def save(reference, folder) -> None:
