@@ -41,9 +41,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import trio
@@ -304,7 +306,7 @@ class Tokenizer(Actor):
             self._outbox(msg.reply_to).extend((
                 m.Error(client_id, f"tokenizer failed: {type(exc).__name__}"),
                 m.Finished(client_id, m.FinishReason.ERROR)))
-            log.error("request failed in the tokenizer", error=repr(exc),
+            log.error("request failed in the tokenizer", error=_fault(exc),
                       request=clip(msg.request_id, self.limits))
         self._deliver()
 
@@ -318,7 +320,7 @@ class Tokenizer(Actor):
         self._outbox(failed.reply_to).extend((
             m.Error(failed.client_id, why), m.Finished(failed.client_id, m.FinishReason.ERROR)))
         self.scheduler.put(am.Release((rid,), m.FinishReason.ERROR))
-        log.error("request failed in the tokenizer", error=repr(exc),
+        log.error("request failed in the tokenizer", error=_fault(exc),
                   request=clip(rid, self.limits))
 
     async def on_admission_refused(self, msg: am.AdmissionRefused) -> None:
@@ -539,3 +541,11 @@ class Tokenizer(Actor):
         self._carry_encodes = [held.encode for held in self.tokenizing.values()]
         log.error("tokenizer crashed", error=repr(exc),
                   request=clip(culprit, self.limits) if culprit else None)
+
+
+def _fault(exc: BaseException) -> str:
+    """An exception as a log line may show it: its type and where it was raised, never its
+    message, which may quote the request's prompt or output text."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"{type(exc).__name__}{where}"
