@@ -28,10 +28,10 @@ import structlog
 import trio
 import zmq
 
-from sluice.actors import messages as am
-from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
-from sluice.actors.local_socket import bind_private
-from sluice.actors.reports import Endpoint, EndpointQuery
+from sluice.actors.runtime import messages as am
+from sluice.actors.runtime.base import Actor, Handler, Inbox, Outbox, Outboxes
+from sluice.actors.runtime.local_socket import bind_private
+from sluice.actors.runtime.reports import Endpoint, EndpointQuery
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
 from sluice.ipc.sockets import PeerGone, Socket

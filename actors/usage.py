@@ -36,10 +36,10 @@ from collections import Counter
 
 import structlog
 
-from sluice.actors import messages as am
-from sluice.actors.base import Actor, Handler, Outboxes
-from sluice.actors.limits import Limits, clip
-from sluice.actors.reports import (
+from sluice.actors.runtime import messages as am
+from sluice.actors.runtime.base import Actor, Handler, Outboxes
+from sluice.actors.front.limits import Limits, clip
+from sluice.actors.runtime.reports import (
     Histogram, TenantUsageTotals, UsageQuery, UsageRecord, UsageSnapshot, UsageSums,
 )  # fmt: skip
 from sluice.actors.scheduler.latency import LATENCY_BOUNDS, Buckets

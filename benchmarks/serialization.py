@@ -8,7 +8,7 @@ number that matters is how many passes a token goes through, `passes per token` 
 
 What is counted:
 
-- the internal codec (`sluice.actors.registry.CODEC`): a top-level encode or decode of a message
+- the internal codec (`sluice.actors.runtime.registry.CODEC`): a top-level encode or decode of a message
   that carries sampled tokens (a step result, step outputs, chunks, a client frame);
 - the worker protocol's `encode_*`/`decode_*` (`sluice.actors.executor.worker`, which pack
   with the same codec and are counted once, as theirs), wherever they are called, and the
@@ -39,7 +39,7 @@ from collections import Counter
 import msgpack
 import trio
 
-from sluice.actors import registry
+from sluice.actors.runtime import registry
 from sluice.actors.executor import worker
 from sluice.actors.scheduler.scheduler import Scheduler
 from sluice.daemon.logs import configure_logging

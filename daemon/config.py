@@ -8,7 +8,7 @@ model = "default"
 executor = "model"          # or "null"
 drain_deadline = 30.0
 
-[stream]                    # actors.stream.StreamConfig
+[stream]                    # actors.front.stream.StreamConfig
 heartbeat_timeout = 10.0
 pause_timeout = 30.0
 
@@ -22,13 +22,13 @@ max_model_len = 4096
 [scheduler]                 # actors.scheduler.SchedulerConfig
 policy = "fair"
 
-[limits]                    # actors.limits.Limits: what one client can make the daemon hold
+[limits]                    # actors.front.limits.Limits: what one client can make the daemon hold
 max_frame_bytes = 4194304
 
 [usage]                     # UsageSettings: the usage file (off)
 path = "/var/lib/sluice/usage.jsonl"
 
-[http]                      # actors.http.HttpSettings: the OpenAI-compatible front (off)
+[http]                      # actors.http.front.HttpSettings: the OpenAI-compatible front (off)
 listen = "127.0.0.1:8000"
 [http.tenants]
 interactive = ["<API key>"]
@@ -50,15 +50,15 @@ from pathlib import Path
 from typing import Any
 
 from sluice.actors.executor.actor import WorkerSpec
-from sluice.actors.http import HttpSettings
-from sluice.actors.limits import Limits
-from sluice.actors.local_socket import (
+from sluice.actors.http.front import HttpSettings
+from sluice.actors.front.limits import Limits
+from sluice.actors.runtime.local_socket import (
     UnsafeDirectory,
     check_private_directory,
     prepare_private_socket,
 )
 from sluice.actors.scheduler import ConfigError, SchedulerConfig
-from sluice.actors.stream import StreamConfig
+from sluice.actors.front.stream import StreamConfig
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7340"
 DEFAULT_CONFIG_PATH = Path("/etc/sluice/sluiced.toml")

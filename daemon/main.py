@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     stops.install()  # before the slow imports: Ctrl-C while starting stops quietly
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    from sluice.actors.supervisor import Escalation
-    from sluice.actors.local_socket import SocketPathError
+    from sluice.actors.runtime.supervisor import Escalation
+    from sluice.actors.runtime.local_socket import SocketPathError
     from sluice.daemon.config import ConfigFileError, check_runtime_paths, load_config
     from sluice.daemon.preflight import StartupError, check_startup
 

@@ -14,7 +14,7 @@ not answer leaves those out. Nothing here reads an actor. Names follow DESIGN §
 worker is down or `failed` (the body says which), or when the scheduler does not answer.
 Nothing here binds a port unless `metrics_port` is configured. The port is served by
 hypercorn's trio worker with a small ASGI app around prometheus_client's, as the HTTP
-front is (`actors.http`).
+front is (`actors.http.front`).
 
 Tenant labels are bounded: each tenant the config or an operator created has its own label;
 tenants that clients merely named (`[limits] open_tenants`) share the label `(other)`, so a
@@ -35,8 +35,8 @@ from hypercorn.trio import serve
 from prometheus_client import CollectorRegistry, generate_latest, make_asgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from sluice.actors.http_exchange import send_text, serve_lifespan, server_log
-from sluice.actors.reports import Histogram, MetricsSnapshot, UsageSnapshot
+from sluice.actors.http.exchange import send_text, serve_lifespan, server_log
+from sluice.actors.runtime.reports import Histogram, MetricsSnapshot, UsageSnapshot
 from sluice.ipc import messages as m
 
 log = structlog.get_logger("sluice.metrics")

@@ -14,7 +14,7 @@ import errno
 import re
 import socket
 
-from sluice.actors.local_socket import answers, ipc_path
+from sluice.actors.runtime.local_socket import answers, ipc_path
 from sluice.daemon.config import MAX_PORT, DaemonConfig
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")

@@ -26,25 +26,25 @@ from typing import Any
 import structlog
 import trio
 
-from sluice.actors import messages as am
-from sluice.actors.base import Actor, Inbox, Outbox
+from sluice.actors.runtime import messages as am
+from sluice.actors.runtime.base import Actor, Inbox, Outbox
 from sluice.actors.control import Control, ControlHooks, Questions
 from sluice.actors.executor.actor import Executor
 from sluice.actors.executor.loader import resolve_model_path
 from sluice.actors.executor.null import NullExecutor
 from sluice.actors.executor.worker import InjectOutOfMemory
-from sluice.actors.gateway import Gateway
-from sluice.actors.http import HttpFront
-from sluice.actors.limits import raise_fd_limit
-from sluice.actors.reports import (
+from sluice.actors.front.gateway import Gateway
+from sluice.actors.http.front import HttpFront
+from sluice.actors.front.limits import raise_fd_limit
+from sluice.actors.runtime.reports import (
     EndpointQuery, MetricsQuery, UsageQuery, WorkerFacts, WorkerQuery,
 )  # fmt: skip
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
-from sluice.actors.scheduler_actor import SchedulerActor
-from sluice.actors.stream import Stream
-from sluice.actors.supervisor import Supervisor
+from sluice.actors.scheduler.actor import SchedulerActor
+from sluice.actors.front.stream import Stream
+from sluice.actors.runtime.supervisor import Supervisor
 from sluice.actors.text import load_tokenizer
-from sluice.actors.tokenizer import Tokenizer
+from sluice.actors.text.actor import Tokenizer
 from sluice.actors.usage import UsageLog
 from sluice.daemon import version
 from sluice.daemon.config import DaemonConfig, runtime_dir

@@ -15,7 +15,7 @@ check (`Any`) is refused when the codec is built.
 A value that checks its own ranges when it is built (`SamplingParams`: a top_p of 7) is
 refused here too, naming its field (`sampling.top_p`). Checks that need the daemon's limits (a
 prompt of a million characters) or its model (a token id outside the vocabulary) are not
-made here; the daemon makes them where a request enters it (`sluice.actors.intake`).
+made here; the daemon makes them where a request enters it (`sluice.actors.front.intake`).
 """
 
 from __future__ import annotations

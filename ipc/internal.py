@@ -10,7 +10,7 @@ its enum, a list or set field as a list or set, any other sequence as a tuple. A
 come to share mutable state through a message: what one sends, the other gets a copy of, as
 it would if the actors lived in different processes. (The messages of the per-token path
 skip this codec between actors of one process: they are immutable, and handed over as they
-are; see `sluice.actors.base`.)
+are; see `sluice.actors.runtime.base`.)
 
 Tags are positions in the registration order, which is the order the types are defined in
 their modules; every process of one sluice version derives the same table.

@@ -5,8 +5,8 @@ Each message carries a `TAG` that never changes once released; `ipc.codec` maps 
 msgpack. The values nested in them (a report's parts, the console's `ConsoleDetail`) carry
 no tag: they travel inside the message that holds them, checked against the type of its
 field. This is all the client library and the console speak. The messages between the
-actors of one daemon never leave it and live beside them (`sluice.actors.messages`), as do
-the records actors report their state in (`sluice.actors.reports`). Enums on the wire are
+actors of one daemon never leave it and live beside them (`sluice.actors.runtime.messages`), as do
+the records actors report their state in (`sluice.actors.runtime.reports`). Enums on the wire are
 small ints.
 The sampling parameters (`SamplingParams`) and the codes `FinishReason` and `RejectCode` are
 defined in `vocabulary` and used here as they are: they are the same objects in the client

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 pytest_plugins = ["daemon_fixtures"]
 
 # every message one actor hands another without encoding it is checked to be immutable
-# (`sluice.actors.base.HANDED_OVER`), in this process and in the daemons tests start
+# (`sluice.actors.runtime.base.HANDED_OVER`), in this process and in the daemons tests start
 os.environ["SLUICE_CHECK_HANDED_OVER"] = "1"
 
 if not torch.cuda.is_available():

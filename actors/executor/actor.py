@@ -35,8 +35,8 @@ import structlog
 import trio
 import zmq
 
-from sluice.actors import messages as am
-from sluice.actors.base import Actor, Handler, Outbox, Outboxes
+from sluice.actors.runtime import messages as am
+from sluice.actors.runtime.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.executor import worker
 from sluice.actors.executor.memory import DEFAULT_KV_MEMORY_FRACTION
 from sluice.actors.executor.worker import (
@@ -46,7 +46,7 @@ from sluice.actors.executor.worker import (
     ResultFrame,
     StepOutOfMemory,
 )
-from sluice.actors.reports import WorkerFacts, WorkerQuery, WorkerState
+from sluice.actors.runtime.reports import WorkerFacts, WorkerQuery, WorkerState
 from sluice.ipc.sockets import Socket
 
 log = structlog.get_logger("sluice.executor")

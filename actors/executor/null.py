@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sluice.actors import messages as am
-from sluice.actors.base import Actor, Handler, Outbox, Outboxes
+from sluice.actors.runtime import messages as am
+from sluice.actors.runtime.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.executor.worker import InjectOutOfMemory, PlanFrame, ResultFrame, StepOutOfMemory
-from sluice.actors.registry import CODEC
-from sluice.actors.reports import WorkerFacts, WorkerQuery, WorkerState
+from sluice.actors.runtime.registry import CODEC
+from sluice.actors.runtime.reports import WorkerFacts, WorkerQuery, WorkerState
 from sluice.actors.scheduler.plan import SamplingParams, StepPlan, StepResult
 
 

@@ -12,7 +12,7 @@ stops its worker after draining).
 The protocol on this socket lives here too, so both ends share it: typed messages (`Hello`,
 `HealthCheck`, `HealthAnswer`, `WorkerError`, `StepOutOfMemory`, the test fault
 `InjectOutOfMemory`, and the core's `StepPlan` and `StepResult`)
-packed by the daemon's one registry (`actors.registry.CODEC`). A plan is encoded once, by
+packed by the daemon's one registry (`actors.runtime.registry.CODEC`). A plan is encoded once, by
 the Scheduler actor, and a result decoded once, by the Scheduler actor: the Executor relays
 both as bytes (`PlanFrame`, `ResultFrame`), which is why a result comes as two frames,
 `result` and its body, so the Executor can tell it from an error unread.
@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from sluice.actors.reports import WorkerFacts
+from sluice.actors.runtime.reports import WorkerFacts
 from sluice.actors.scheduler.plan import SamplingParams, ScheduledSeq, StepPlan, StepResult
 from sluice.ipc.internal import InternalCodec
 
@@ -102,7 +102,7 @@ class InjectOutOfMemory:
 
 @functools.cache
 def _codec() -> InternalCodec:
-    from sluice.actors.registry import CODEC  # the registry lists this module's types
+    from sluice.actors.runtime.registry import CODEC  # the registry lists this module's types
 
     return CODEC
 

@@ -2,7 +2,7 @@
 manager (blocks and the prefix cache), the tenant ledger (limits and accounting), the plan
 builder (the state of one planning iteration), policies and the wait queue.
 
-The daemon's Scheduler actor (`sluice.actors.scheduler_actor`) and the in-process engine both
+The daemon's Scheduler actor (`sluice.actors.scheduler.actor`) and the in-process engine both
 drive this core; the simulator (`simulator.py`) drives it with a cost model instead of a model.
 """
 

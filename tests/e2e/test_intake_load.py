@@ -12,7 +12,7 @@ import structlog
 import trio
 import zmq
 
-from sluice.actors.tokenizer import LONG_PROMPT_BYTES, TOKENIZER_THREADS
+from sluice.actors.text.actor import LONG_PROMPT_BYTES, TOKENIZER_THREADS
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.codec import Codec

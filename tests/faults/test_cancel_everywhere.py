@@ -20,7 +20,7 @@ import trio
 
 from daemon_support import assert_drained_and_consistent
 from raw_peer import RawPeer
-from sluice.actors.tokenizer import LONG_PROMPT_BYTES, TOKENIZER_THREADS
+from sluice.actors.text.actor import LONG_PROMPT_BYTES, TOKENIZER_THREADS
 from sluice.ipc import messages as m
 from sluice.ipc.control import fetch_status, send_command
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from sluice.actors import messages as am
-from sluice.actors.stream import Stream
+from sluice.actors.runtime import messages as am
+from sluice.actors.front.stream import Stream
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status

@@ -165,7 +165,7 @@ async def test_the_library_grants_only_credits_a_request_can_use(null_daemon) ->
 
 
 def test_no_credit_at_all_is_refused_as_a_setting() -> None:
-    from sluice.actors.limits import Limits
+    from sluice.actors.front.limits import Limits
 
     with pytest.raises(ValueError, match="max_credits: must be at least 1"):
         Limits(max_credits=0)

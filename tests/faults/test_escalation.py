@@ -7,7 +7,7 @@ import trio
 from daemon_support import assert_drained_and_consistent
 
 from sluice.actors.scheduler import Scheduler
-from sluice.actors.supervisor import Escalation
+from sluice.actors.runtime.supervisor import Escalation
 from sluice.daemon.config import load_config
 from sluice.daemon.server import Daemon
 from sluice.ipc.client import AsyncClient

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import trio
 
-from sluice.actors.supervisor import RestartPolicy
+from sluice.actors.runtime.supervisor import RestartPolicy
 from sluice.ipc import messages as m
 from sluice.ipc.control import fetch_status, send_command
 from sluice.ipc.errors import DaemonGone

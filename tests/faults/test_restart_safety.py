@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import trio
 
-from sluice.actors import messages as am
-from sluice.actors.base import Inbox
+from sluice.actors.runtime import messages as am
+from sluice.actors.runtime.base import Inbox
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
-from sluice.actors.scheduler_actor import SchedulerActor
+from sluice.actors.scheduler.actor import SchedulerActor
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepPlan, StepResult
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient

@@ -21,7 +21,7 @@ import h2.settings
 import pytest
 import trio
 
-from sluice.actors import messages as am
+from sluice.actors.runtime import messages as am
 from sluice.ipc import messages as m
 from sluice.ipc.control import fetch_status, send_command
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import trio
 
-from sluice.actors.local_socket import UnsafeDirectory
+from sluice.actors.runtime.local_socket import UnsafeDirectory
 from sluice.daemon.config import runtime_dir
 from sluice.ipc.control import fetch_status
 

@@ -1,7 +1,7 @@
 """Actors share nothing: production code never reads another actor's state or calls into it.
 
 The daemon, the metrics and the console learn an actor's state from the messages it sends
-(`sluice.actors.reports`, `Ask`/`Reply`), and tell it what to do by message. This test reads
+(`sluice.actors.runtime.reports`, `Ask`/`Reply`), and tell it what to do by message. This test reads
 the source of `daemon/`, `actors/` and `tui/` with `ast` and fails on the shapes such
 shortcuts took:
 

@@ -4,13 +4,13 @@ limit, stepping again on the report that there is room."""
 
 from __future__ import annotations
 
-from sluice.actors import messages as am
-from sluice.actors.base import Inbox
+from sluice.actors.runtime import messages as am
+from sluice.actors.runtime.base import Inbox
 from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
-from sluice.actors.reports import Backlog, BacklogGauge
+from sluice.actors.runtime.reports import Backlog, BacklogGauge
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
-from sluice.actors.scheduler_actor import SchedulerActor
+from sluice.actors.scheduler.actor import SchedulerActor
 
 from daemon_support import taken_from
 

@@ -10,9 +10,9 @@ import json
 import msgpack
 import pytest
 
-from sluice.actors import intake
-from sluice.actors import openai_api as api
-from sluice.actors.limits import Limits
+from sluice.actors.front import intake
+from sluice.actors.http import openai_api as api
+from sluice.actors.front.limits import Limits
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
 from sluice.ipc.vocabulary import InvalidParams, SamplingParams

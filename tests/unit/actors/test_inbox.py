@@ -8,10 +8,10 @@ import pytest
 import trio
 import trio.testing
 
-from sluice.actors import base
-from sluice.actors import messages as am
-from sluice.actors.base import Actor, Inbox, Outbox
-from sluice.actors.supervisor import Supervisor
+from sluice.actors.runtime import base
+from sluice.actors.runtime import messages as am
+from sluice.actors.runtime.base import Actor, Inbox, Outbox
+from sluice.actors.runtime.supervisor import Supervisor
 from sluice.ipc import messages as m
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.actors.intake import check_generate
-from sluice.actors.limits import Limits
+from sluice.actors.front.intake import check_generate
+from sluice.actors.front.limits import Limits
 from sluice.ipc import messages as m
 
 LIMITS = Limits(max_request_id_chars=8, max_tenant_chars=7, max_prompt_chars=20,

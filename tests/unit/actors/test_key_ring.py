@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import hmac
 
-from sluice.actors import http
-from sluice.actors.http import KeyRing
+from sluice.actors.http import front as http
+from sluice.actors.http.front import KeyRing
 
 
 def test_a_lookup_compares_every_key_in_constant_time(monkeypatch) -> None:

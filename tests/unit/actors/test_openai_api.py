@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from sluice.actors import openai_api as api
-from sluice.actors.http import HttpSettings, KeyRing
+from sluice.actors.http import openai_api as api
+from sluice.actors.http.front import HttpSettings, KeyRing
 from sluice.daemon.config import ConfigFileError, load_config
 from sluice.ipc import messages as m
 from sluice.ipc.vocabulary import RejectCode

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sluice.actors.peers import PROBE_INTERVAL, PeerBook
+from sluice.actors.front.peers import PROBE_INTERVAL, PeerBook
 
 
 def test_a_forgotten_peer_is_probed_at_most_once_per_interval() -> None:

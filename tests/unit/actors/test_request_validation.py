@@ -12,8 +12,8 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.actors.intake import check_generate, check_prompt_form
-from sluice.actors.limits import Limits
+from sluice.actors.front.intake import check_generate, check_prompt_form
+from sluice.actors.front.limits import Limits
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
 from sluice.ipc.vocabulary import InvalidParams, SamplingParams

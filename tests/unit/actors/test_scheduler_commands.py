@@ -3,7 +3,7 @@ returns its reply and the requests it ended, and leaves the core consistent. No 
 
 from __future__ import annotations
 
-from sluice.actors import scheduler_commands as commands
+from sluice.actors.scheduler import commands
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig, TenantConfig
 from sluice.actors.scheduler.latency import LatencyLog
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult

@@ -8,10 +8,10 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from sluice.actors import messages as am
-from sluice.actors.base import Inbox
-from sluice.actors.stream import Stream, StreamConfig
-from sluice.actors.supervisor import Supervisor
+from sluice.actors.runtime import messages as am
+from sluice.actors.runtime.base import Inbox
+from sluice.actors.front.stream import Stream, StreamConfig
+from sluice.actors.runtime.supervisor import Supervisor
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
 

@@ -6,8 +6,8 @@ import pytest
 import trio
 import trio.testing
 
-from sluice.actors.base import Actor
-from sluice.actors.supervisor import Escalation, RestartPolicy, Supervisor
+from sluice.actors.runtime.base import Actor
+from sluice.actors.runtime.supervisor import Escalation, RestartPolicy, Supervisor
 
 
 class Boom(Exception):

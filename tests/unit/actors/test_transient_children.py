@@ -6,8 +6,8 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from sluice.actors.base import Actor
-from sluice.actors.supervisor import RestartPolicy, Supervisor
+from sluice.actors.runtime.base import Actor
+from sluice.actors.runtime.supervisor import RestartPolicy, Supervisor
 
 
 class Fragile(Actor):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from sluice.actors.base import Outbox
+from sluice.actors.runtime.base import Outbox
 from sluice.actors.executor.actor import Executor, WorkerSpec
-from sluice.actors.reports import WorkerFacts
+from sluice.actors.runtime.reports import WorkerFacts
 
 
 def _flags(cmd: list[str]) -> dict[str, str]:

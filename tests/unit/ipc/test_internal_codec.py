@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from sluice.actors import messages as am
-from sluice.actors import reports
-from sluice.actors.base import Inbox
+from sluice.actors.runtime import messages as am
+from sluice.actors.runtime import reports
+from sluice.actors.runtime.base import Inbox
 from sluice.actors.executor import worker
-from sluice.actors.registry import CODEC
+from sluice.actors.runtime.registry import CODEC
 from sluice.actors.scheduler.plan import (
     RequestOutput,
     SampledToken,

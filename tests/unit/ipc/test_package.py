@@ -27,7 +27,7 @@ def test_the_package_holds_only_what_goes_on_the_wire() -> None:
     import dataclasses
     import typing
 
-    from sluice.actors import messages as between_actors
+    from sluice.actors.runtime import messages as between_actors
     from sluice.ipc import messages as m
     from sluice.ipc.internal import dataclasses_of
 
@@ -54,8 +54,8 @@ def test_every_message_says_what_it_carries() -> None:
     import dataclasses
     import re
 
-    from sluice.actors import messages as between_actors
-    from sluice.actors import reports
+    from sluice.actors.runtime import messages as between_actors
+    from sluice.actors.runtime import reports
     from sluice.ipc import messages as wire
     from sluice.ipc.internal import dataclasses_of
 

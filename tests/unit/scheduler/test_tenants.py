@@ -7,7 +7,7 @@ import pytest
 from scheduler_helpers import req, step
 
 from sluice.actors.scheduler import Request
-from sluice.actors.scheduler_commands import console_detail
+from sluice.actors.scheduler.commands import console_detail
 from sluice.actors.scheduler.config import TenantConfig
 from sluice.actors.scheduler.errors import InvalidRequest, Quota
 from sluice.actors.scheduler.plan import SamplingParams

@@ -41,14 +41,14 @@ import trio
 import zmq
 from zmq.utils import z85
 
-from sluice.actors import messages as am
-from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
-from sluice.actors.limits import Limits, clip
-from sluice.actors.listener import ListenerGuard
-from sluice.actors.peers import PeerBook
-from sluice.actors.reports import BacklogGauge, Endpoint, EndpointQuery
-from sluice.actors.stream import Stream
-from sluice.actors.supervisor import Supervisor
+from sluice.actors.runtime import messages as am
+from sluice.actors.runtime.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
+from sluice.actors.front.limits import Limits, clip
+from sluice.actors.front.listener import ListenerGuard
+from sluice.actors.front.peers import PeerBook
+from sluice.actors.runtime.reports import BacklogGauge, Endpoint, EndpointQuery
+from sluice.actors.front.stream import Stream
+from sluice.actors.runtime.supervisor import Supervisor
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
 from sluice.ipc.sockets import PeerFull, PeerGone, Socket

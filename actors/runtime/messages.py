@@ -1,12 +1,12 @@
 """Messages between the actors of one daemon: never on the wire, never in the client package.
 
 They travel over `inproc://` sockets with `sluice.ipc.internal`'s codec (or are handed over
-as they are, see `sluice.actors.base`), and carry the wire's own values where they pass one
+as they are, see `sluice.actors.runtime.base`), and carry the wire's own values where they pass one
 along (a client's `Generate`, the `Chunk`s and `Finished` for a connection, a status report).
 An actor is named in a message by the address of its inbox, never by an object. The step
 plan and result the Scheduler and the worker exchange are the scheduler core's types
 (`sluice.actors.scheduler.plan`); the records actors report their own state in are in
-`sluice.actors.reports`.
+`sluice.actors.runtime.reports`.
 
 What does not belong here: the client and control protocols (`sluice.ipc.messages`), which
 the client library and the console speak without importing anything of the daemon.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sluice.actors.reports import (
+from sluice.actors.runtime.reports import (
     Endpoint, EndpointQuery, MetricsQuery, MetricsSnapshot, UsageQuery, UsageRecord,
     UsageSnapshot, WorkerQuery, WorkerState,
 )  # fmt: skip

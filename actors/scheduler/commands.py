@@ -1,7 +1,7 @@
 """Operator commands, reconcile and status of the scheduler, as plain functions over its core.
 
 Each takes the scheduler core (and what the command names) and returns the reply, with the
-outputs of any request it ended; the Scheduler actor (`scheduler_actor.py`) calls them,
+outputs of any request it ended; the Scheduler actor (`actor.py`) calls them,
 sends the outputs on like any others and answers the asker. Nothing here awaits, so tests
 drive them without trio. Reconcile and the consistency check of `status --check` must run
 between two steps (a step in flight holds blocks for tokens it has not computed yet, which is

@@ -8,7 +8,7 @@ OpenAI's names to ours. An outcome (`Rejected`, `Error`, `Finished`) becomes an 
 and OpenAI's error body `{"error": {"message", "type", "param", "code"}}`, and the chunks
 become completion objects or server-sent events.
 
-Pure functions and values: no trio, no sockets, no actor. The HTTP actor (`actors.http`)
+Pure functions and values: no trio, no sockets, no actor. The HTTP actor (`actors.http.front`)
 does the I/O.
 """
 

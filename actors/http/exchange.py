@@ -7,8 +7,8 @@ completion object, or server-sent events written as they come (what waits togeth
 few turns of the event loop, in one write), the chunks' credits given back in batches once
 hypercorn took their bytes. The rest are small helpers over ASGI's `send`.
 
-What does not belong here: routing, limits, keys and streams (`actors.http`), the OpenAI
-shapes themselves (`actors.openai_api`).
+What does not belong here: routing, limits, keys and streams (`actors.http.front`), the OpenAI
+shapes themselves (`actors.http.openai_api`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from collections.abc import Callable
 import structlog
 import trio
 
-from sluice.actors import openai_api as api
-from sluice.actors.base import Outbox
+from sluice.actors.http import openai_api as api
+from sluice.actors.runtime.base import Outbox
 from sluice.ipc import messages as m
 
 _JSON = (b"content-type", b"application/json")

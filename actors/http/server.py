@@ -8,7 +8,7 @@ fd limit unless configured), idle connections closed first to make room; HTTP/2 
 only when configured; and a write the client does not take within `send_timeout` costs it
 its connection.
 
-What does not belong here: routes, keys and the limits on requests (`actors.http`).
+What does not belong here: routes, keys and the limits on requests (`actors.http.front`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr, repr_socket_addr, wrap_app
 
-from sluice.actors.base import RESOURCE_ERRNOS
+from sluice.actors.runtime.base import RESOURCE_ERRNOS
 
 log = structlog.get_logger("sluice.http")
 

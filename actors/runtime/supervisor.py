@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 import trio
 
-from sluice.actors.base import Actor
+from sluice.actors.runtime.base import Actor
 
 log = structlog.get_logger("sluice.supervisor")
 

@@ -24,7 +24,7 @@ messages (`Finished`, `Error`, `Rejected`) never need a credit.
 
 What it says to its client goes to a `ClientSink` once per handled message: a ZeroMQ
 connection's are encoded into one frame for the gateway (`FrameSink`); an HTTP request's are
-handed to that request as the typed messages (`actors.http`).
+handed to that request as the typed messages (`actors.http.front`).
 
 A connection may hold `max_requests_per_connection` open requests (those still tokenizing
 count), and its outstanding credits per request are clamped to `max_credits`. A stream
@@ -45,10 +45,10 @@ from typing import Protocol
 import structlog
 import trio
 
-from sluice.actors import messages as am
-from sluice.actors.base import Actor, Handler, Outbox, Outboxes
-from sluice.actors.intake import check_generate
-from sluice.actors.limits import Limits, clip
+from sluice.actors.runtime import messages as am
+from sluice.actors.runtime.base import Actor, Handler, Outbox, Outboxes
+from sluice.actors.front.intake import check_generate
+from sluice.actors.front.limits import Limits, clip
 from sluice.actors.usage import complete, record, since
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from sluice.actors.limits import Limits
+from sluice.actors.front.limits import Limits
 from sluice.ipc import messages as m
 from sluice.ipc.vocabulary import INT64_MAX, InvalidParams, shown
 

@@ -28,7 +28,7 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from sluice.actors.peers import PeerBook
+from sluice.actors.front.peers import PeerBook
 from sluice.ipc.sockets import Socket
 
 log = structlog.get_logger("sluice.listener")

@@ -1,7 +1,7 @@
 """The HTTP actor: an OpenAI-compatible front door beside the ZeroMQ gateway.
 
 A small ASGI app, served in this actor's nursery by hypercorn's protocols on the connections
-and accept loop of `actors.http_server` (a cap on connections, a deadline on each write,
+and accept loop of `actors.http.server` (a cap on connections, a deadline on each write,
 HTTP/1.1 unless HTTP/2 is configured); the HTTP parsing and keep-alive are hypercorn's. Each
 HTTP request is its own stream of the one Stream actor the front keeps for all of them (the
 actor ZeroMQ connections get, supervised as transient, its connection id random and known to no
@@ -21,7 +21,7 @@ the next request opens a new one. A request that reached the failed stream befor
 heard of the failure is refused there unseen, and sent once more, to the new stream.
 
 A request body is turned into the same `m.Generate` the gateway decodes
-(`actors.openai_api`), so validation, limits and rejections are the daemon's own; this
+(`actors.http.openai_api`), so validation, limits and rejections are the daemon's own; this
 actor adds only what HTTP has: API keys (`Authorization: Bearer`, compared in constant time,
 mapped to tenants, never logged), concurrent requests and bodies being read (each tenant at
 most its share of either), header, body bytes and body read time (the `[http]` table), and
@@ -32,8 +32,8 @@ reconcile) and how many requests it is answering; `Drain`/`EndDrain` make new re
 or admit them again. A response write that waits `send_timeout` for its client ends the
 request as if the client had gone.
 
-What does not belong here: the response of one generation (`actors.http_exchange`), the
-OpenAI shapes (`actors.openai_api`).
+What does not belong here: the response of one generation (`actors.http.exchange`), the
+OpenAI shapes (`actors.http.openai_api`).
 """
 
 from __future__ import annotations
@@ -49,18 +49,18 @@ import structlog
 import trio
 import zmq
 
-from sluice.actors import messages as am
-from sluice.actors import openai_api as api
-from sluice.actors.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
+from sluice.actors.runtime import messages as am
+from sluice.actors.http import openai_api as api
+from sluice.actors.runtime.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.control import Questions
-from sluice.actors.http_exchange import (
+from sluice.actors.http.exchange import (
     ClientGone, Exchange, Replies, deadline_send, header, send_error, send_json, send_text,
     server_log, watch_disconnect,
 )  # fmt: skip
-from sluice.actors.http_server import Connections, ServerConfig, connection_cap, serve
-from sluice.actors.reports import Endpoint, EndpointQuery
-from sluice.actors.stream import Stream
-from sluice.actors.supervisor import Supervisor
+from sluice.actors.http.server import Connections, ServerConfig, connection_cap, serve
+from sluice.actors.runtime.reports import Endpoint, EndpointQuery
+from sluice.actors.front.stream import Stream
+from sluice.actors.runtime.supervisor import Supervisor
 from sluice.ipc import messages as m
 
 log = structlog.get_logger("sluice.http")

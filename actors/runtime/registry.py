@@ -1,10 +1,10 @@
 """The one registry of types that travel inside a daemon: between its actors and to and from
 its worker process.
 
-`CODEC` packs the messages between actors (`actors.messages`), the client and control
+`CODEC` packs the messages between actors (`actors.runtime.messages`), the client and control
 messages they pass along (`ipc.messages`), the values those share (`ipc.vocabulary`), the
 scheduler core's step plan and result (`actors.scheduler.plan`), the worker protocol
-(`actors.executor.worker`) and the records actors report their state in (`actors.reports`).
+(`actors.executor.worker`) and the records actors report their state in (`actors.runtime.reports`).
 A type's tag is its position here, so every process of one sluice version agrees on the
 table. It loads no trio, socket or model: the worker process uses it too.
 
@@ -14,7 +14,8 @@ byte; this one trusts its peers and only guarantees that nothing but data crosse
 
 from __future__ import annotations
 
-from sluice.actors import messages, reports
+from sluice.actors.runtime import messages
+from sluice.actors.runtime import reports
 from sluice.actors.executor import worker
 from sluice.actors.scheduler import plan
 from sluice.ipc import messages as wire

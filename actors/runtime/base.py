@@ -31,9 +31,9 @@ import structlog
 import trio
 import zmq
 
-from sluice.actors import messages as am
+from sluice.actors.runtime import messages as am
 from sluice.actors.executor import worker
-from sluice.actors.registry import CODEC
+from sluice.actors.runtime.registry import CODEC
 from sluice.ipc import messages as m
 from sluice.ipc.sockets import EVENTS, POLLIN, Socket, context
 

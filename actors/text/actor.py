@@ -50,11 +50,11 @@ from pathlib import Path
 import structlog
 import trio
 
-from sluice.actors import messages as am
-from sluice.actors.base import Actor, Handler, Inbox, Outboxes
-from sluice.actors.intake import check_prompt_form, check_prompt_length
-from sluice.actors.limits import Limits, clip
-from sluice.actors.reports import BacklogGauge
+from sluice.actors.runtime import messages as am
+from sluice.actors.runtime.base import Actor, Handler, Inbox, Outboxes
+from sluice.actors.front.intake import check_prompt_form, check_prompt_length
+from sluice.actors.front.limits import Limits, clip
+from sluice.actors.runtime.reports import BacklogGauge
 from sluice.actors.text import RequestText
 from sluice.actors.usage import complete, core_points, record, since
 from sluice.ipc import messages as m

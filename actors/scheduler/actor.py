@@ -3,7 +3,7 @@
 It admits what the Tokenizer sends, keeps at most one `StepPlan` in flight at the Executor,
 applies each `StepResult` and hands the outputs back to the Tokenizer. A plan is encoded
 here, once, in the worker's encoding, and a result decoded here, once: the Executor relays
-their bytes. The outputs are handed to the Tokenizer as they are (see `actors.base`). Releases (cancel,
+their bytes. The outputs are handed to the Tokenizer as they are (see `actors.runtime.base`). Releases (cancel,
 timeout, client gone, errors) are applied at once, so their KV is free in the same
 iteration; pauses and resumes wait for the step in flight. All of them come from the
 Tokenizer behind the request's `Admit` (what a Stream says about a request takes that one
@@ -40,7 +40,7 @@ tokens faster than it can send them from queueing without bound; the decode loop
 the speed of delivery instead, and steps again on the report that there is room.
 
 Status queries and operator commands are answered here with the plain functions of
-`scheduler_commands.py`, which take the core and return the reply and the requests they ended.
+`commands.py`, which take the core and return the reply and the requests they ended.
 The metrics' histograms are kept here too (with `latency_histograms`) and leave only inside
 the `MetricsSnapshot` this actor is asked for.
 The core itself (`sluice.actors.scheduler`) has no I/O: in the daemon this actor is the trio
@@ -55,9 +55,9 @@ from collections.abc import Callable
 import structlog
 import trio
 
-from sluice.actors import messages as am
-from sluice.actors import scheduler_commands as commands
-from sluice.actors.base import Actor, Handler, Inbox, Outbox, Outboxes
+from sluice.actors.runtime import messages as am
+from sluice.actors.scheduler import commands
+from sluice.actors.runtime.base import Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.executor.worker import (
     PlanFrame,
     ResultFrame,
@@ -65,8 +65,8 @@ from sluice.actors.executor.worker import (
     decode_result,
     encode_plan,
 )
-from sluice.actors.limits import Limits, clip
-from sluice.actors.reports import Backlog, Histogram, MetricsQuery, MetricsSnapshot
+from sluice.actors.front.limits import Limits, clip
+from sluice.actors.runtime.reports import Backlog, Histogram, MetricsQuery, MetricsSnapshot
 from sluice.actors.scheduler import AdmissionError, Request, Scheduler
 from sluice.actors.scheduler.latency import LatencyLog
 from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult, TokenPair
