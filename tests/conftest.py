@@ -1,6 +1,6 @@
 """Fixtures shared by every test folder: the embedded model loaded once per session, an
 engine factory that checks the KV invariant after each test that used it, and (from the
-`daemon_fixtures` plugin) every daemon fixture, so no folder loads another's conftest."""
+`support.fixtures` plugin) every daemon fixture, so no folder loads another's conftest."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-pytest_plugins = ["daemon_fixtures"]
+pytest_plugins = ["support.fixtures"]
 
 # every message one actor hands another without encoding it is checked to be immutable
 # (`sluice.actors.runtime.base.HANDED_OVER`), in this process and in the daemons tests start

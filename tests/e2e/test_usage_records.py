@@ -15,7 +15,7 @@ from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
 
-from daemon_support import assert_drained_and_consistent, http_get, samples
+from support.daemon import assert_drained_and_consistent, http_get, samples
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -18,8 +18,8 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from daemon_support import assert_drained_and_consistent
-from raw_peer import RawPeer
+from support.daemon import assert_drained_and_consistent
+from support.raw_peer import RawPeer
 from sluice.actors.text.actor import LONG_PROMPT_BYTES, TOKENIZER_THREADS
 from sluice.ipc import messages as m
 from sluice.ipc.control import fetch_status, send_command

@@ -22,7 +22,7 @@ from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status
 from sluice.ipc.errors import OverloadedError
 
-from raw_peer import RawPeer
+from support.raw_peer import RawPeer
 
 
 async def test_connections_over_the_cap_are_refused_without_an_actor(null_daemon) -> None:

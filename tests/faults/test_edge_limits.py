@@ -22,7 +22,7 @@ from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient, Client
 from sluice.ipc.errors import InvalidRequestError, OverloadedError
 
-from raw_peer import RawPeer
+from support.raw_peer import RawPeer
 
 MIB = 1024 * 1024
 

@@ -13,8 +13,8 @@ from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status
 from sluice.ipc.errors import InvalidRequestError, TooLongError
 
-from daemon_support import http_get, samples
-from raw_peer import RawPeer
+from support.daemon import http_get, samples
+from support.raw_peer import RawPeer
 
 
 async def test_ended_and_rejected_counters_and_a_vanished_clients_usage_record(

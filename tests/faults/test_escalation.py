@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
-from daemon_support import assert_drained_and_consistent
+from support.daemon import assert_drained_and_consistent
 
 from sluice.actors.scheduler import Scheduler
 from sluice.actors.runtime.supervisor import Escalation

@@ -12,7 +12,7 @@ from sluice.ipc import messages as m
 from sluice.ipc.control import fetch_status, send_command
 from sluice.ipc.errors import DaemonGone
 
-from daemon_support import assert_consistent
+from support.daemon import assert_consistent
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,7 +25,7 @@ from sluice.ipc.codec import Codec
 from sluice.ipc.control import fetch_status
 from sluice.ipc.errors import DaemonGone
 
-from flooders import Flooder
+from support.flooders import Flooder
 
 # a small per-peer queue so the flood fills it quickly; the kernel's socket buffers still
 # hold tens of thousands of small frames before the daemon's send is refused

@@ -17,7 +17,7 @@ import trio
 
 from sluice.ipc import messages as m
 
-from raw_peer import RawPeer
+from support.raw_peer import RawPeer
 
 
 async def relay(source: trio.SocketStream, sink: trio.SocketStream, carry: trio.Event) -> None:

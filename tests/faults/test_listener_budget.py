@@ -26,7 +26,7 @@ import pytest
 import trio
 import zmq
 
-from daemon_support import RECORD, StartedDaemon, stop_checked
+from support.daemon import RECORD, StartedDaemon, stop_checked
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.codec import Codec

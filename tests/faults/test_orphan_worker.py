@@ -16,7 +16,7 @@ import trio
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status
 
-from daemon_support import waive_kv_check
+from support.daemon import waive_kv_check
 
 pytestmark = pytest.mark.timeout(300)
 

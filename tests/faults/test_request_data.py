@@ -22,7 +22,7 @@ from sluice.ipc.client import AsyncClient
 from sluice.ipc.errors import InvalidRequestError
 from sluice.ipc.vocabulary import SamplingParams
 
-from raw_peer import RawPeer
+from support.raw_peer import RawPeer
 
 BIG = 2**64  # one past what msgpack carries
 MODEL = "null (fake tokens)"

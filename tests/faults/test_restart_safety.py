@@ -15,7 +15,7 @@ from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
 
-from daemon_support import taken_from
+from support.daemon import taken_from
 
 
 async def test_after_a_scheduler_crash_in_flight_requests_fail_and_new_ones_finish(

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 import trio
-from daemon_support import assert_consistent
+from support.daemon import assert_consistent
 
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status

@@ -15,7 +15,7 @@ import zmq
 from sluice.daemon.config import AuthSettings
 from sluice.ipc import messages as m
 
-from raw_peer import RawPeer
+from support.raw_peer import RawPeer
 
 
 def paused(rid: str) -> m.Generate:

@@ -9,7 +9,7 @@ import trio
 from sluice.ipc import messages as m
 from sluice.ipc.control import send_command
 
-from raw_peer import RawPeer
+from support.raw_peer import RawPeer
 
 
 def paused(rid: str) -> m.Generate:

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 import trio
-from daemon_support import NotifyListener
+from support.daemon import NotifyListener
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from daemon_support import assert_drained_and_consistent_sync
+from support.daemon import assert_drained_and_consistent_sync
 
 pytestmark = pytest.mark.timeout(240)
 

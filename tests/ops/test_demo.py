@@ -19,7 +19,7 @@ import pytest
 
 from sluice.daemon.demo import QUESTION
 
-from daemon_support import assert_drained_and_consistent_sync
+from support.daemon import assert_drained_and_consistent_sync
 
 pytestmark = pytest.mark.timeout(300)
 

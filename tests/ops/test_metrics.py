@@ -10,7 +10,7 @@ from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
 
-from daemon_support import http_get, samples
+from support.daemon import http_get, samples
 
 pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
 

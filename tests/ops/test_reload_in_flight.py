@@ -7,7 +7,7 @@ import signal
 
 import pytest
 import trio
-from daemon_support import NotifyListener
+from support.daemon import NotifyListener
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient

@@ -8,7 +8,7 @@ import signal
 import pytest
 import trio
 
-from daemon_support import NotifyListener, assert_consistent
+from support.daemon import NotifyListener, assert_consistent
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import send_command

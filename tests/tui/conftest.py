@@ -1,5 +1,5 @@
 """A null-executor `sluiced` process shared by the console tests (fault injection on). The
-tests are sync and drive the console with `run_test()` on asyncio (`console_helpers.drive`):
+tests are sync and drive the console with `run_test()` on asyncio (`support.console.drive`):
 the suite's trio mode does not reach them."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import signal
 
 import pytest
-from console_helpers import start_console_daemon
-from daemon_support import assert_drained_and_consistent_sync, keep_for_scope
+from support.console import start_console_daemon
+from support.daemon import assert_drained_and_consistent_sync, keep_for_scope
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ command it offers (drain, resume, cancel, reconcile, recover) works behind its c
 from __future__ import annotations
 
 import pytest
-from console_helpers import drive, start_console_daemon, wait_until
-from daemon_support import assert_drained_and_consistent_sync
+from support.console import drive, start_console_daemon, wait_until
+from support.daemon import assert_drained_and_consistent_sync
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import Client

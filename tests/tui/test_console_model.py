@@ -6,8 +6,8 @@ from __future__ import annotations
 import signal
 
 import pytest
-from console_helpers import drive, start_daemon_process, wait_until
-from daemon_support import assert_drained_and_consistent_sync
+from support.console import drive, start_daemon_process, wait_until
+from support.daemon import assert_drained_and_consistent_sync
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import Client

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from console_helpers import drive
+from support.console import drive
 
 from sluice.ipc import messages as m
 from sluice.tui.app import SluiceTop

@@ -7,7 +7,7 @@ from textual.app import App, ComposeResult
 from sluice.ipc import messages as m
 from sluice.tui.status_bar import StatusBar
 
-from console_helpers import drive
+from support.console import drive
 
 
 class _OneBar(App):

@@ -13,7 +13,7 @@ from sluice.actors.scheduler import Scheduler, SchedulerConfig
 from sluice.actors.scheduler.plan import SamplingParams, StepResult
 from sluice.actors.scheduler.actor import ACCEPTED_HOLD, SchedulerActor
 
-from daemon_support import taken_from
+from support.daemon import taken_from
 
 
 def admit(rid: str) -> am.Admit:

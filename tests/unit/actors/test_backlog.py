@@ -12,7 +12,7 @@ from sluice.actors.scheduler import Scheduler, SchedulerConfig
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
 from sluice.actors.scheduler.actor import SchedulerActor
 
-from daemon_support import taken_from
+from support.daemon import taken_from
 
 
 class Recorder:

@@ -4,7 +4,7 @@ resolution.
 
 Within bfloat16 resolution means `best - second <= 2 * ulp(best)`, where ulp(best) =
 2 ** (floor(log2 |best|) - 7) is one unit in the last place of bfloat16 at the larger logit
-(near_ties.first_near_tie). One unit alone is too tight: both engines round every layer's
+(support.near_ties.first_near_tie). One unit alone is too tight: both engines round every layer's
 activations to bfloat16, with different kernels and summation orders, and those differences
 reach the logits as a unit or two. Measured over 23 candidate prompts: sluice and
 transformers disagree at margins of 0 and 1 unit, and once at 2 ("- apples\n- bananas\n-
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from near_ties import assert_equal_until_near_tie, top2_margins
+from support.near_ties import assert_equal_until_near_tie, top2_margins
 
 from sluice.actors.engine import Engine
 from sluice.actors.scheduler.plan import SamplingParams

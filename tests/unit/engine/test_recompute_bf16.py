@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from near_ties import assert_equal_until_near_tie, teacher_forced_top2
+from support.near_ties import assert_equal_until_near_tie, teacher_forced_top2
 
 from sluice.actors.engine import Engine
 from sluice.actors.scheduler.plan import SamplingParams

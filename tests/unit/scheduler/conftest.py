@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from scheduler_helpers import FakeClock, make_scheduler
+from support.scheduler import FakeClock, make_scheduler
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_helpers import req, sample_all, step
+from support.scheduler import req, sample_all, step
 
 from sluice.actors.scheduler import RequestState
 from sluice.ipc.vocabulary import FinishReason

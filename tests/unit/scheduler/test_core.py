@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from scheduler_helpers import req, sample_all, step
+from support.scheduler import req, sample_all, step
 
 from sluice.actors.scheduler import (
     InvalidRequest,

@@ -3,7 +3,7 @@ kills it fails; the requests batched with it are run apart and finish normally."
 
 from __future__ import annotations
 
-from scheduler_helpers import req, sample_all
+from support.scheduler import req, sample_all
 
 from sluice.actors.scheduler.plan import StepPlan
 from sluice.ipc.vocabulary import FinishReason

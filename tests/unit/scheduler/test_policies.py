@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from scheduler_helpers import req, step
+from support.scheduler import req, step
 
 from sluice.actors.scheduler import Quota, RequestState, TenantConfig
 

@@ -6,7 +6,7 @@ be charged to the tenant's fair share."""
 from __future__ import annotations
 
 import pytest
-from scheduler_helpers import req, step
+from support.scheduler import req, step
 
 from sluice.actors.scheduler.config import ConfigError, SchedulerConfig, TenantConfig
 from sluice.ipc.vocabulary import FinishReason

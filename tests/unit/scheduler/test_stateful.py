@@ -9,7 +9,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from scheduler_helpers import FakeClock
+from support.scheduler import FakeClock
 
 from sluice.actors.scheduler import AdmissionError, Request, Scheduler, SchedulerConfig
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult

@@ -4,7 +4,7 @@ that did not run, so planning it again smaller computes the same tokens."""
 
 from __future__ import annotations
 
-from scheduler_helpers import req, step
+from support.scheduler import req, step
 
 from sluice.actors.scheduler import SchedulerConfig
 from sluice.actors.scheduler.plan import SampledToken, StepPlan, StepResult

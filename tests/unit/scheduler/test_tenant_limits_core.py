@@ -4,7 +4,7 @@ timeouts, each driven on a fake clock."""
 from __future__ import annotations
 
 import pytest
-from scheduler_helpers import req, step
+from support.scheduler import req, step
 
 from sluice.actors.scheduler.config import ConfigError, TenantConfig
 from sluice.actors.scheduler.errors import Quota

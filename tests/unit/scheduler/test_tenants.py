@@ -4,7 +4,7 @@ caps of unconfigured tenants, and pruning the scheduling state of idle tenants."
 from __future__ import annotations
 
 import pytest
-from scheduler_helpers import req, step
+from support.scheduler import req, step
 
 from sluice.actors.scheduler import Request
 from sluice.actors.scheduler.commands import console_detail

@@ -1,5 +1,5 @@
 """Daemon fixtures for every test folder (a plugin `tests/conftest.py` loads), each ending with
-the KV invariant checked — see `daemon_support.py` for the rule.
+the KV invariant checked — see `support/daemon.py` for the rule.
 
 - `null_daemon`: in-process daemons on the null executor (fast; actors reachable for fault
   injection), checked at teardown.
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from daemon_support import (
+from support.daemon import (
     RECORD,
     StartedDaemon,
     assert_drained_and_consistent,

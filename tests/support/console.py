@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from daemon_support import start_daemon_process  # noqa: F401 (re-exported)
+from support.daemon import start_daemon_process  # noqa: F401 (re-exported)
 
 
 def start_console_daemon(folder: Path, name: str = "daemon", extra: str = ""):

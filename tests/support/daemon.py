@@ -1,7 +1,7 @@
 """What every test that drives a daemon shares: the KV checks, the record of which daemons a
 test started and which of them it checked, and starting a `sluiced` process.
 
-The fixtures over these live in `daemon_fixtures.py` (loaded for every folder by
+The fixtures over these live in `support/fixtures.py` (loaded for every folder by
 `tests/conftest.py`). The rule they enforce: every daemon a test starts, in-process or as a
 process, ends with the KV invariant checked — by the fixture at teardown while it still runs,
 or, for a daemon that stops during the test (SIGTERM, SIGKILL, escalation), by the test
