@@ -47,7 +47,8 @@ def check_startup(config: DaemonConfig) -> None:
 def check_model(config: DaemonConfig) -> None:
     """The model (and the worker's, when `[worker] model` names another) exists and reads as
     a supported GGUF file or Hugging Face folder."""
-    from sluice.actors.executor.loader import ModelLoadError, read_model_config, resolve_model_path
+    from sluice.actors.executor.model_files import (ModelLoadError, read_model_config,
+                                                    resolve_model_path)
 
     models = {"": config.model}
     if config.executor == "model" and config.worker.model not in (None, config.model):

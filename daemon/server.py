@@ -30,7 +30,7 @@ from sluice.actors.runtime import messages as am
 from sluice.actors.runtime.base import Actor, Inbox, Outbox
 from sluice.actors.control import Control, ControlHooks, Questions
 from sluice.actors.executor.actor import Executor
-from sluice.actors.executor.loader import resolve_model_path
+from sluice.actors.executor.model_files import resolve_model_path
 from sluice.actors.executor.null import NullExecutor
 from sluice.actors.executor.worker import InjectOutOfMemory
 from sluice.actors.front.gateway import Gateway

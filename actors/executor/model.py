@@ -19,43 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from sluice import kernels
-from sluice.actors.executor.rotary import RopeScaling, rotary_tables
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before rotary
-    rope_scaling: RopeScaling | None = None
-    # tokens a query attends back over (Mistral v0.1, Qwen with use_sliding_window): the
-    # served context is held within it, where full attention is what the window computes
-    sliding_window: int | None = None
-
-    @property
-    def max_context(self) -> int:
-        """The longest sequence this forward computes as the model was trained to."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
-
-    def flops_per_token(self) -> float:
-        """Matmul FLOPs of one token's forward, lm_head included (attention scores excluded)."""
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        per_layer = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
-        per_layer += 3 * self.hidden_size * self.intermediate_size
-        return 2.0 * (self.num_layers * per_layer + self.hidden_size * self.vocab_size)
+from sluice.actors.executor.config import ModelConfig  # noqa: F401 (its home before config.py)
+from sluice.actors.executor.rotary import rotary_tables
 
 
 @dataclass

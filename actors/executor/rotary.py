@@ -8,41 +8,12 @@ out of a config file is the loader's work; applying the tables is the model's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-# "dynamic" (NTK) only changes frequencies past max_position_embeddings, which is never served:
-# up to it transformers computes the unscaled base, and so does this table
-ROPE_SCALING_TYPES = ("linear", "dynamic", "llama3", "yarn", "frequency_divisors")
+from sluice.actors.executor.config import ROPE_SCALING_TYPES, RopeScaling
 
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """One of `ROPE_SCALING_TYPES` with its parameters, named as transformers names them.
-
-    "frequency_divisors" is how a GGUF file carries Llama 3 scaling: llama.cpp's `rope_freqs`
-    tensor, one divisor per frequency. A yarn `attention_factor` of None is derived from
-    `factor` (and `mscale`, `mscale_all_dim`) as transformers derives it."""
-
-    rope_type: str
-    factor: float = 1.0
-    original_max_position_embeddings: int = 0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-    frequency_divisors: tuple[float, ...] = ()
-
-    def __post_init__(self):
-        if self.rope_type not in ROPE_SCALING_TYPES:
-            raise ValueError(f"rope scaling type {self.rope_type!r} is not supported "
-                             f"(supported: {', '.join(ROPE_SCALING_TYPES)})")
-
+__all__ = ["ROPE_SCALING_TYPES", "RopeScaling", "inverse_frequencies", "rotary_tables"]
 
 def rotary_tables(head_dim: int, rope_theta: float, max_positions: int,
                   scaling: RopeScaling | None, device) -> tuple[torch.Tensor, torch.Tensor]:

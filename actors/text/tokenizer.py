@@ -277,7 +277,7 @@ def load_tokenizer(model_path: str | Path) -> Tokenizer:
 
 
 def _from_gguf(path: Path) -> Tokenizer:
-    from sluice.actors.executor.loader import ModelLoadError, gguf_field, open_gguf
+    from sluice.actors.executor.model_files import ModelLoadError, gguf_field, open_gguf
 
     reader = open_gguf(path)
     kind = gguf_field(reader, "tokenizer.ggml.model")
@@ -316,7 +316,7 @@ def _from_gguf(path: Path) -> Tokenizer:
 
 
 def _from_hf_folder(folder: Path) -> Tokenizer:
-    from sluice.actors.executor.loader import ModelLoadError
+    from sluice.actors.executor.model_files import ModelLoadError
 
     file = folder / "tokenizer.json"
     if not file.is_file():

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
         return remote.run(args)
     from sluice.actors.engine import Engine
-    from sluice.actors.executor.loader import ModelLoadError
+    from sluice.actors.executor.model_files import ModelLoadError
     from sluice.actors.scheduler.errors import AdmissionError
     from sluice.actors.scheduler.plan import InvalidParams
 

