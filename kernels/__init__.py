@@ -38,8 +38,17 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                    scale: float) -> torch.Tensor:
+                    scale: float, *, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of each sequence's query tokens over its paged context, on the backend
+    `backend_for` picks (see `reference.paged_attention` for the arguments). `window` > 0: a
+    query at position p sees only keys p - window < k <= p; `softcap` > 0: scaled scores
+    become softcap * tanh(scores / softcap) before the softmax. 0 turns either off."""
     backend = backend_for(query)
+    if window or softcap:
+        # the in-place and Triton kernels do not take these yet: the reference serves them
+        return reference.paged_attention(query, key_cache, value_cache, block_tables,
+                                         query_start_loc, seq_lens, scale, window=window,
+                                         softcap=softcap)
     if backend == "triton":
         from sluice.kernels.attention import paged_attention as launch
 

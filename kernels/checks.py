@@ -118,6 +118,15 @@ class ValidatedValues:
 _validated_attention_metadata = ValidatedValues()
 
 
+def check_window_and_softcap(window: int, softcap: float) -> None:
+    """Raise naming `window` (keys per query, 0 for none) or `softcap` (0 for off) if invalid."""
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: no window), got {window!r}")
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) \
+            or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+
+
 def check_attention_arguments(query: torch.Tensor, key_cache: torch.Tensor,
                               value_cache: torch.Tensor, block_tables: torch.Tensor,
                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

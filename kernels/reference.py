@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sluice.kernels.checks import check_window_and_softcap
+
 
 def reshape_and_cache(
     key: torch.Tensor,
@@ -34,13 +36,21 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its paged context.
 
     query [num_tokens, num_heads, head_dim]; the query tokens of sequence i are
     query[query_start_loc[i]:query_start_loc[i+1]] and are the last ones of its
     seq_lens[i]-token context, whose K/V already sit in the pools (write them first).
+
+    `window` > 0 is a sliding window: the query at position p sees only the keys at positions
+    p - window < k <= p. `softcap` > 0 caps the scaled scores as softcap * tanh(s / softcap)
+    before the softmax. 0 turns either off.
     """
+    check_window_and_softcap(window, softcap)
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
@@ -48,12 +58,12 @@ def paged_attention(
     decodes = [i for i in range(len(lengths)) if starts[i + 1] - starts[i] == 1]
     for group in _length_groups(decodes, lengths):
         _attend_decodes(query, key_cache, value_cache, block_tables, starts, lengths,
-                        group, block_size, scale, out)
+                        group, block_size, scale, out, window, softcap)
     for i in range(len(lengths)):
         q_len = starts[i + 1] - starts[i]
         if q_len > 1:
             _attend_chunk(query, key_cache, value_cache, block_tables[i], starts[i], q_len,
-                          lengths[i], block_size, scale, out)
+                          lengths[i], block_size, scale, out, window, softcap)
     return out
 
 
@@ -85,41 +95,75 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _attend_decodes(query, key_cache, value_cache, block_tables, starts, lengths, decodes,
-                    block_size, scale, out) -> None:
+                    block_size, scale, out, window=0, softcap=0.0) -> None:
     rows = torch.tensor(decodes, dtype=torch.long)
     token_index = torch.tensor([starts[i] for i in decodes], dtype=torch.long)
     ctx = torch.tensor([lengths[i] for i in decodes], dtype=torch.long)
     max_ctx = int(ctx.max())
+    # with a window, the blocks before the group's earliest visible key are not read at all
+    first_block = max(0, int(ctx.min()) - window) // block_size if window else 0
+    first_key = first_block * block_size
     n_blocks = -(-max_ctx // block_size)
-    tables = block_tables[rows, :n_blocks].long()
-    keys = _gather(key_cache, tables)[:, :max_ctx].transpose(1, 2)  # [B, kvh, L, d]
-    values = _gather(value_cache, tables)[:, :max_ctx].transpose(1, 2)
+    tables = block_tables[rows, first_block:n_blocks].long()
+    keys = _gather(key_cache, tables)[:, :max_ctx - first_key].transpose(1, 2)  # [B, kvh, L, d]
+    values = _gather(value_cache, tables)[:, :max_ctx - first_key].transpose(1, 2)
     q = query[token_index].unsqueeze(2)  # [B, H, 1, d]
-    visible = torch.arange(max_ctx)[None, :] < ctx[:, None]  # [B, L]
+    key_pos = torch.arange(first_key, max_ctx)[None, :]
+    visible = key_pos < ctx[:, None]  # [B, L]
+    if window:
+        visible &= key_pos >= ctx[:, None] - window  # the query sits at position ctx - 1
     visible = visible.to(query.device)  # built on the host; a no-op for CPU tensors
-    attended = F.scaled_dot_product_attention(
-        q.to(keys.dtype), keys, values, attn_mask=visible[:, None, None, :], scale=scale,
-        enable_gqa=q.shape[1] != keys.shape[1],
-    )
+    if softcap:
+        attended = _capped_attention(q.to(keys.dtype), keys, values, visible[:, None, None, :],
+                                     scale, softcap)
+    else:
+        attended = F.scaled_dot_product_attention(
+            q.to(keys.dtype), keys, values, attn_mask=visible[:, None, None, :], scale=scale,
+            enable_gqa=q.shape[1] != keys.shape[1],
+        )
     out[token_index] = attended.squeeze(2).to(out.dtype)
 
 
 def _attend_chunk(query, key_cache, value_cache, table, start, q_len, ctx_len, block_size,
-                  scale, out) -> None:
-    n_blocks = -(-ctx_len // block_size)
-    ids = table[:n_blocks].long()
-    keys = _gather(key_cache, ids)[:ctx_len].transpose(0, 1)[None]  # [1, kvh, L, d]
-    values = _gather(value_cache, ids)[:ctx_len].transpose(0, 1)[None]
-    q = query[start:start + q_len].transpose(0, 1)[None]  # [1, H, q, d]
+                  scale, out, window=0, softcap=0.0) -> None:
     first_pos = ctx_len - q_len
-    if first_pos == 0:
+    # with a window, the blocks before the chunk's earliest visible key are not read at all
+    first_block = max(0, first_pos + 1 - window) // block_size if window else 0
+    first_key = first_block * block_size
+    n_blocks = -(-ctx_len // block_size)
+    ids = table[first_block:n_blocks].long()
+    keys = _gather(key_cache, ids)[:ctx_len - first_key].transpose(0, 1)[None]  # [1, kvh, L, d]
+    values = _gather(value_cache, ids)[:ctx_len - first_key].transpose(0, 1)[None]
+    q = query[start:start + q_len].transpose(0, 1)[None]  # [1, H, q, d]
+    if first_pos == 0 and not window:
         # a chunk with no cached context is plain causal attention: no mask to build or read
         mask, causal = None, True
     else:
         query_pos = torch.arange(first_pos, ctx_len, device=query.device)[:, None]
-        mask, causal = torch.arange(ctx_len, device=query.device)[None, :] <= query_pos, False
-    attended = F.scaled_dot_product_attention(
-        q.to(keys.dtype), keys, values, attn_mask=mask, is_causal=causal, scale=scale,
-        enable_gqa=q.shape[1] != keys.shape[1],
-    )
+        key_pos = torch.arange(first_key, ctx_len, device=query.device)[None, :]
+        mask, causal = key_pos <= query_pos, False
+        if window:
+            mask &= key_pos > query_pos - window
+    if softcap:
+        if mask is None:
+            mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=query.device).tril()
+        attended = _capped_attention(q.to(keys.dtype), keys, values, mask, scale, softcap)
+    else:
+        attended = F.scaled_dot_product_attention(
+            q.to(keys.dtype), keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=q.shape[1] != keys.shape[1],
+        )
     out[start:start + q_len] = attended[0].transpose(0, 1).to(out.dtype)
+
+
+def _capped_attention(q, keys, values, mask, scale, softcap) -> torch.Tensor:
+    """SDPA with soft-capped scores (SDPA has no cap): q [B, H, q, d], keys/values
+    [B, kvh, L, d], mask broadcastable to [B, H, q, L] (True: visible). Computed in fp32."""
+    group = q.shape[1] // keys.shape[1]
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(q.dtype)
