@@ -1,5 +1,5 @@
-"""Each rejection code reaches the application as its own exception class (README: "Each
-rejection code has its own exception class"), raised by the client library against a real
+"""Each rejection code reaches the application as its own exception class (docs/wire-protocol.md:
+"Each rejection code has its own exception class"), raised by the client library against a real
 daemon for every code a daemon sends to a connected client."""
 
 from __future__ import annotations

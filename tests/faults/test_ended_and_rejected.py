@@ -1,4 +1,4 @@
-"""What the README promises about ended and refused requests: `/metrics` counts them by
+"""What docs/operations.md promises about ended and refused requests: `/metrics` counts them by
 reason and by code, and a client that vanished mid-request still gets a usage record."""
 
 from __future__ import annotations

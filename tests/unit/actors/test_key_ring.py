@@ -1,4 +1,4 @@
-"""API keys are looked up as the README says: against every key, each in constant time, so
+"""API keys are looked up as docs/http-api.md says: against every key, each in constant time, so
 the time of a lookup says nothing of which key (or how much of one) matched."""
 
 from __future__ import annotations
