@@ -1,21 +1,10 @@
 """The one msgpack codec for every wire message.
 
-A frame is the msgpack array `[major, minor, tag, {field: value}]`, or a list of such arrays
-(a batch: the daemon sends a client all of one step's messages as one frame). Decoding checks, in
-order: the frame size limit, that the bytes are msgpack, the protocol major version, the tag
-(against the set of messages the receiver accepts), and then every field's type, naming the
-offending field (dotted for nested values, `[i]` for an item, `['key']` for a map entry).
-An unknown field is refused, unless the frame's minor version is newer than the reader's:
-a minor version may add fields to a message (not to nested values), and an older reader
-ignores them.
-Decoding never raises anything but `CodecError`. A field is a scalar, an enum, a nested
-dataclass, or an optional, tuple or string-keyed map of those; a type the codec cannot
-check (`Any`) is refused when the codec is built.
-
-A value that checks its own ranges when it is built (`SamplingParams`: a top_p of 7) is
-refused here too, naming its field (`sampling.top_p`). Checks that need the daemon's limits (a
-prompt of a million characters) or its model (a token id outside the vocabulary) are not
-made here; the daemon makes them where a request enters it (`sluice.actors.front.intake`).
+A frame is `[major, minor, tag, {field: value}]` or a batch of those. Decoding checks the size,
+the msgpack, the major version, the tag and every field's type, naming the offending field, and
+never raises anything but `CodecError`; fields of a newer minor version are ignored. Checks that
+need the daemon's limits or model are made where a request enters the daemon
+(`sluice.actors.front.intake`). See docs/wire-protocol.md, "Frames".
 """
 
 from __future__ import annotations

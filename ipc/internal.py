@@ -1,19 +1,9 @@
 """The codec for messages between the actors of one daemon (over `inproc://` sockets).
 
-The wire codec (`codec.py`) guards the edge: it distrusts every byte and names the field that
-is wrong. Messages between actors come from the daemon's own code, so this codec checks no
-ranges; what it guarantees is that only data crosses. A message is msgpack's own types plus
-registered dataclasses, each packed as an extension holding its tag and its field values in
-order (or its compact `to_plain()` form where the type has one). An enum field comes back as
-its enum, a list or set field as a list or set, any other sequence as a tuple. Anything else
-(an inbox, a socket, a detokenizer) raises `TypeError` at the sender, so two actors can never
-come to share mutable state through a message: what one sends, the other gets a copy of, as
-it would if the actors lived in different processes. (The messages of the per-token path
-skip this codec between actors of one process: they are immutable, and handed over as they
-are; see `sluice.actors.runtime.base`.)
-
-Tags are positions in the registration order, which is the order the types are defined in
-their modules; every process of one sluice version derives the same table.
+It trusts its peers and checks no ranges; it guarantees only that data crosses: msgpack types
+plus registered dataclasses (tags are registration positions), and anything else (an inbox, a
+socket) raises `TypeError` at the sender, so actors never share mutable state. The wire codec
+(`codec.py`) guards the edge. See docs/architecture.md, "Messages, by boundary".
 """
 
 from __future__ import annotations

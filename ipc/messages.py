@@ -1,22 +1,12 @@
 """The messages on the wire: the client protocol and the control protocol, as frozen
 dataclasses with stable type tags.
 
-Each message carries a `TAG` that never changes once released; `ipc.codec` maps them to
-msgpack. The values nested in them (a report's parts, the console's `ConsoleDetail`) carry
-no tag: they travel inside the message that holds them, checked against the type of its
-field. This is all the client library and the console speak. The messages between the
-actors of one daemon never leave it and live beside them (`sluice.actors.runtime.messages`), as do
-the records actors report their state in (`sluice.actors.runtime.reports`). Enums on the wire are
-small ints.
-The sampling parameters (`SamplingParams`) and the codes `FinishReason` and `RejectCode` are
-defined in `vocabulary` and used here as they are: they are the same objects in the client
-library, the actors and the scheduler core, from the frame to the worker and back.
-
-Clocks: durations are seconds measured on the daemon's monotonic clock; no field carries a
-wall-clock timestamp.
+This is all the client library and the console speak; `ipc.codec` encodes it. `SamplingParams`,
+`FinishReason` and `RejectCode` come from `vocabulary`. Durations are seconds on the daemon's
+monotonic clock. See docs/wire-protocol.md for every message and the version history.
 
 What does not belong here: encoding (see `codec`), sockets, anything from `sluice.actors`,
-messages that never leave the daemon.
+messages that never leave the daemon (`sluice.actors.runtime.messages`).
 """
 
 from __future__ import annotations
@@ -264,7 +254,7 @@ class Counters:
 class GatewayStats:
     """The client edge since the daemon started: what it dropped and whom it refused."""
 
-    dropped_frames: int = 0  # client frames discarded unanswered (see README, "Limits")
+    dropped_frames: int = 0  # client frames discarded unanswered (docs/configuration.md)
     forgotten_peers: int = 0  # connections dropped for not reading what they were sent
     refused_connections: int = 0  # new connections refused over the connection cap
 

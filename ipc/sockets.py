@@ -1,31 +1,10 @@
 """A trio adapter for ZeroMQ sockets.
 
-ZeroMQ's `FD` is edge-triggered and signals "something changed", not "readable": the only
-truth is `EVENTS`. So every operation tries first with `NOBLOCK`, then checks `EVENTS`
-before sleeping on the FD, and loops. trio allows one task to wait on an FD at a time, so
-tasks that need to wait share one waiter: the first sleeps on the FD, the others on an event
-it sets. A send or receive can consume the edge another task was waiting for, so after every
-successful operation `EVENTS` is read again and the sleeping waiter woken if it shows what a
-waiting task wants (reading it re-arms the FD for any later change).
-
-One task receives on a socket; any number may send. A ROUTER is made `ROUTER_MANDATORY`, so
-sending to a peer that is gone raises `PeerGone` instead of dropping the message silently.
-
-A ROUTER send never waits. A ROUTER is "writable" when *any* of its peers has room, so
-waiting for `POLLOUT` after one peer's queue filled up returns at once and the retry spins
-without ever yielding to trio: one client that does not read would freeze the daemon. With
-`ROUTER_MANDATORY`, `Again` means exactly "this one peer cannot take more", so it raises
-`PeerFull` and the caller deals with that peer (the gateway forgets it). Sends on other socket
-types wait for room, yielding on every retry.
-
-The `_nowait` forms (`recv_multipart_nowait`, `recv_with_user_nowait`, a ROUTER's
-`route_nowait`, `send_nowait` on the other types) do the same without waiting and without a
-checkpoint, for a task that takes or sends a run of messages in one turn of the event loop
-and yields on its own schedule, or that waits only when there is no room.
-
-Cancellation (a timeout) never loses a message: an operation checks for it before it
-touches the socket, and once a message is taken or sent it yields shielded and returns. A
-receive that raises `Cancelled` took nothing; a send that raises sent nothing.
+Each operation tries without blocking, then trusts `EVENTS` rather than the edge-triggered FD
+before it sleeps; tasks waiting on one socket share one waiter. One task receives, any number
+send. A ROUTER is `ROUTER_MANDATORY` and its sends never wait: `PeerGone` and `PeerFull` name the
+one peer at fault. The `_nowait` forms take or send without a checkpoint. Cancellation never
+loses a message. See docs/architecture.md, "ZeroMQ sockets on trio".
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """The Gateway actor: the client-facing ROUTER socket, and the limits of the client edge.
 
-One task receives, taking what has queued up on the socket (up to `FRAMES_PER_TURN` frames)
-in one turn of the event loop, and frames to clients are sent without a turn each: under
-load, a turn per frame kept requests and tokens waiting behind whole steps. Each frame is
-decoded (a bad one gets `Rejected` naming the problem and nothing else happens), `Describe`
-is answered here, everything else goes to the Stream actor of that connection, started on
-its first message. The inbox carries frames to send
-(`Outbound`) from every stream; a peer the ROUTER can no longer reach is reported to its
-stream as `ClientGone`. While draining, new `Generate`s get `Rejected(draining)`. After each
-message it tells the Scheduler how many frames to send its inbox still holds
-(`reports.Backlog`, when that number moved far enough), which paces the Scheduler's steps.
-Asked (`Ask`), it lists the live connections or says the address it bound; the one operator
-command it carries out is the debug fault `vanish_stream` (`Operate`).
-
-No send waits on one peer (see `ipc.sockets`): a peer whose queue is full is forgotten
-(`peers.PeerBook`): its stream ends its requests and its later frames are dropped and
-counted. What one client can make the gateway hold is bounded: frame bytes (`MAXMSGSIZE`,
-so an oversize frame is never buffered: libzmq drops that peer), frames queued to it
-(`SNDHWM`), and connections (live Streams; past the cap a new peer gets
-`Rejected(overloaded)` and no actor). TCP keepalive and a handshake deadline clear dead and
-half-open peers; a peer that is connected but silent loses its stream to the Stream's own
-heartbeat timeout. Running out of descriptors costs the message that needed one, never
-the daemon. A Stream's crash is its connection's alone: it is supervised as transient.
-
-With a CURVE secret key the socket is a CURVE server and a ZAP handler (in this actor)
-admits only the client public keys listed per tenant; an unknown key never gets a frame
-through. Each message then carries its client key (ZeroMQ's `User-Id` property): a
-`Generate` is attributed to that key's tenant whatever it names, and a connection's Stream
-is bound to the key that opened it (a frame for it under another key is refused).
+It decodes client frames (a bad one gets `Rejected` naming the problem), answers `Describe`,
+routes everything else to the connection's Stream (started on its first message, supervised as
+transient), sends the streams' `Outbound` frames without waiting on any one peer, refuses new
+`Generate`s while draining, and reports its backlog to the Scheduler. With a CURVE secret key it
+is a CURVE server whose ZAP handler admits only the listed client keys. See
+docs/architecture.md, "A token's path" and "The client edge"; the limits are in
+docs/configuration.md, "[limits]".
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Range checks of a client's `Generate`: the one place a request's values are judged.
 
-The codec has already checked every type; what is left is here, in two parts, each called
-once where the request enters the actor that can make it:
-
-- `check_generate` compares a request with the intake `Limits` (lengths of its id, tenant
-  name, prompt and stop strings; counts of chat messages and stop strings) and answers with
-  the `Rejected` the client should get, naming the offending field, or `None`. The Stream
-  calls it before anything is held for the request.
-- `check_prompt_form` needs the model (its vocabulary) and raises `InvalidParams` naming
-  the field; the Tokenizer calls it before tokenizing, after `check_prompt_length` has
-  refused a token-id prompt longer than the model's context by its length alone (a frame
-  may carry millions of ids: none of them is looked at for a prompt that cannot run).
-
-The sampling parameters' own ranges are not checked here: `SamplingParams` checks them as
-the codec builds it from the frame, and the request carries that object to the worker.
-
-Checks that need the daemon's state (prompt bytes waiting to be tokenized, queues, tenants,
-the model's context) belong to the actors that own that state, not here.
+`check_generate` compares a request with the intake `Limits` and returns the `Rejected` the
+client should get (or `None`); the Stream calls it before anything is held for the request.
+`check_prompt_length` and `check_prompt_form` need the model and are the Tokenizer's to call.
+Sampling ranges are checked by `SamplingParams` as the codec builds it; checks that need the
+daemon's state belong to the actors that own it. See docs/architecture.md, "A token's path".
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The client listener's connections: counted, and kept inside the descriptor and inbound budgets.
 
-libzmq accepts on its own I/O thread, and its `ipc://` listener aborts the process when
-`accept` meets the fd limit. So the gateway watches its ROUTER's monitor events (each accept
-and disconnect, with the connection's descriptor) and keeps a count of live connections. A
-connection accepted past a budget is *shed*: shut down at once, before anything of it is held.
-The budgets are the connection cap (descriptors) and the inbound frames (`peer_recv_hwm` per
-pipe, for live connections and for those gone whose frames are still queued: libzmq delivers
-a disconnected peer's frames). If shedding falls behind (more connections past the cap than
-`brake_margin`) *and* the process's descriptors come within `fd_reserve` of its limit, the
-listener is unbound, which in libzmq also drops every connection it accepted, and bound again
-once it has closed: a last resort that keeps the daemon alive. A storm of reconnects far from
-the fd limit (shed peers that come straight back) is shed, never braked.
+The gateway watches its ROUTER's monitor events to count live connections; one accepted past
+a budget is shed at once, and only when shedding falls behind near the fd limit is the listener
+unbound and bound again, as a last resort. See docs/architecture.md, "The client edge".
 
 What does not belong here: frames and peers by routing id (`gateway`, `peers`).
 """

@@ -1,17 +1,8 @@
 """The gateway's memory of the client peers it stopped talking to, and its edge counters.
 
-A ROUTER cannot close one peer. So a peer that cannot take more (its send queue is full: it
-does not read) is *forgotten*: its Stream ends its requests, and its later frames are dropped
-unread, each counted, until an answer gets through again. At most once a second one of its
-frames is answered with a `Rejected` that doubles as a probe: if the peer took it, it reads
-again (or it reconnected under the same routing id, with a fresh empty queue) and is
-remembered. The book holds at most `capacity` forgotten peers, the oldest forgotten first
-out, so strangers cannot grow it.
-
-A peer found gone (an answer to its frame failed: it disconnected) is remembered until the
-gateway next finds its socket empty: libzmq still delivers the frames it sent before it left,
-and those are dropped unread (counted) rather than decoded and answered into the void. That
-memory too is bounded.
+A peer that cannot take more is *forgotten* (its requests end, its frames are dropped and
+counted, a probe answer goes out once a second), and a peer found gone is remembered until the
+socket is next empty; both memories are bounded. See docs/architecture.md, "The client edge".
 
 What does not belong here: sockets and actors (the gateway owns those).
 """

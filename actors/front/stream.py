@@ -1,37 +1,13 @@
 """The Stream actor: one per client connection, the daemon's side of backpressure.
 
-It sends a request's chunks only within the credits the client granted, buffers the rest,
-and past the high watermark asks the Scheduler to pause the request (`PauseDecoding`; its KV
-stays); once the buffer drains below the low watermark it sends `ResumeDecoding`. A request
-paused longer than `pause_timeout` is ended with `timeout`. A connection silent past the heartbeat timeout, or
-one the ROUTER can no longer reach, is gone: all its requests are cancelled and released.
-
-Everything it says about a request (`Encode`, then `Release`, `PauseDecoding`,
-`ResumeDecoding`) goes to the Tokenizer, which ends a request it still holds or forwards the
-message to the Scheduler behind the request's `Admit`: one route, in order, so a cancel never
-overtakes its request.
-Credits stay here: they meter what this stream sends, and only the `ResumeDecoding` they cause
-travels on.
-
-When a request's `Finished` leaves, its usage record is made here (`actors.usage`): only
-the Stream knows when its first token and its end left the daemon. A request given up
-without waiting for its end (the client is gone, the stream failed) hands those marks on in
-its `Release` (`unattended`), and its record is made where it ends. Records, and the codes of
-the rejections sent, go to the Usage actor once per handled message.
-
-Buffered chunks are merged when sent, so one credit can carry several tokens. Terminal
-messages (`Finished`, `Error`, `Rejected`) never need a credit.
-
-What it says to its client goes to a `ClientSink` once per handled message: a ZeroMQ
-connection's are encoded into one frame for the gateway (`FrameSink`); an HTTP request's are
-handed to that request as the typed messages (`actors.http.front`).
-
-A connection may hold `max_requests_per_connection` open requests (those still tokenizing
-count), and its outstanding credits per request are clamped to `max_credits`. A stream
-belongs to its connection alone: a crash ends the connection's requests with `Error` and
-closes the stream (the supervisor never escalates for it). A closed stream never takes work:
-it refuses every `Generate` the gateway routed to it before learning of the close, and ends
-when the gateway answers its `StreamClosed`; the connection's later frames open a new stream.
+It sends a request's chunks within the client's credits (merging what it buffers), pauses and
+resumes the request at its watermarks, ends requests paused past `pause_timeout` and all of a
+connection's requests when it is gone, and makes a request's usage record when its `Finished`
+leaves. Everything it says about a request goes to the Tokenizer, the one route to the
+Scheduler. What it says to its client goes to a `ClientSink`: one frame per handled message for
+a ZeroMQ connection, typed messages for an HTTP request. A crash ends only its connection's
+requests (it is supervised as transient). See docs/architecture.md, "A token's path", "Flow
+control" and "Failure semantics".
 """
 
 from __future__ import annotations

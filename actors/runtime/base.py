@@ -1,19 +1,12 @@
 """The actor base: one inbox, a handler table, a `run(task_status=...)` entry point.
 
-An actor is a trio task tree that owns its state and talks to others only by messages put
-in their inboxes. An inbox is a ZeroMQ PULL socket bound to an `inproc://` address; a sender
-holds an `Outbox` (a PUSH socket connected to that address). A message crosses as bytes of
-the internal codec, so actors share no mutable objects: moving one to another process is a
-change of address. The messages of the per-token path (`HANDED_OVER`) are not encoded: to
-an inbox of the same process the sender hands the object itself over, and the frame carries
-only its number. Each of those is immutable (frozen, built of immutable values) or given
-away (the sender keeps no reference to it), so a relay forwards it, or the bytes inside it,
-untouched and no two actors ever hold the same mutable object; to any other address they
-are encoded like the rest. A receiving actor sleeps on its inbox's bell, which the sender
-rings after its send, not on the socket's FD. The inbox outlives a crash (senders keep
-their handle), the state does not: `run` starts from `reset()`, and the supervisor calls
-`on_crash` first so an actor that owned requests can release them. Supervision itself
-lives in `supervisor.py`.
+An actor is a trio task tree that owns its state and talks to others only by messages put in
+their inboxes (a ZeroMQ PULL socket on an `inproc://` address; senders hold an `Outbox`). The
+inbox outlives a crash, the state does not: `run` starts from `reset()`, after the supervisor
+called `on_crash`. The messages of the per-token path (`HANDED_OVER`) are handed over as
+objects within one process rather than encoded, and receivers sleep on a bell the sender rings:
+a shortcut being replaced. See docs/architecture.md, "The actors" and "Where the code differs
+from this picture".
 """
 
 from __future__ import annotations

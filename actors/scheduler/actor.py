@@ -1,50 +1,12 @@
-"""The Scheduler actor: a thin shell that drives the scheduler core with messages.
+"""The Scheduler actor: a thin trio shell that drives the scheduler core with messages.
 
 It admits what the Tokenizer sends, keeps at most one `StepPlan` in flight at the Executor,
-applies each `StepResult` and hands the outputs back to the Tokenizer. A plan is encoded
-here, once, in the worker's encoding, and a result decoded here, once: the Executor relays
-their bytes. The outputs are handed to the Tokenizer as they are (see `actors.runtime.base`). Releases (cancel,
-timeout, client gone, errors) are applied at once, so their KV is free in the same
-iteration; pauses and resumes wait for the step in flight. All of them come from the
-Tokenizer behind the request's `Admit` (what a Stream says about a request takes that one
-route), so a request this actor does not know has ended already, and its release is moot.
-
-A step the worker ran out of memory in (`StepOutOfMemory`) did not happen: the core forgets
-it, and the next plans get half its token budget, doubling back with each step that runs
-(`scheduler.step_budget`). At the smallest budget the worker is replaced instead, and the
-step is charged as a lost one.
-
-`WorkerLost` voids the step in flight and sends every request holding KV back to the queue
-to recompute; the core then runs the lost step's requests apart (bisection), and the one
-that was alone in the lost step of `max_step_losses` workers ends with `error`: whatever in
-it kills the worker (a bug, a fault on one shape) must neither hold the daemon in a restart
-loop nor fail the requests beside it. `WorkerFailed` (no worker could start) ends every
-request with an error saying so, and new requests are refused with that reason until a
-worker is ready again.
-
-A request whose own data makes its admission raise, or its share of a plan impossible to
-encode for the worker (a value the wire cannot carry), ends alone with `error` and its KV is
-freed; the plan is made again without it. That is not a crash: a restart would end every
-request, and count toward the daemon's escalation, for one request's data.
-
-A restart of this actor starts from an empty core and a new epoch: it asks the Executor for
-the worker's state (`AskWorker`) instead of trusting what the old incarnation knew, and the
-step ids it sends carry the epoch, so a late result of a plan of the old epoch is ignored.
-Reconcile and the consistency check of `status --check` wait for the gap between two steps:
-while a step is in flight its blocks are allocated for tokens not computed yet.
-
-Steps wait while the actors downstream (tokenizer, gateway) hold more than
-`downstream_limit` untaken messages, as each reports of its own inbox (`reports.Backlog`):
-inboxes are unbounded (actors form cycles), so this is what keeps a daemon that produces
-tokens faster than it can send them from queueing without bound; the decode loop slows to
-the speed of delivery instead, and steps again on the report that there is room.
-
-Status queries and operator commands are answered here with the plain functions of
-`commands.py`, which take the core and return the reply and the requests they ended.
-The metrics' histograms are kept here too (with `latency_histograms`) and leave only inside
-the `MetricsSnapshot` this actor is asked for.
-The core itself (`sluice.actors.scheduler`) has no I/O: in the daemon this actor is the trio
-shell around it, as `Engine` is its synchronous driver in-process.
+applies each `StepResult` and hands the outputs to the Tokenizer; releases apply at once, so
+their KV is free in the same iteration. It handles a worker lost (recompute, bisection), out of
+memory (a smaller budget) or failed, ends alone a request whose own data fails, paces its steps
+by the downstream backlog, starts each incarnation in a new epoch, and answers status and
+operator commands with `commands.py`. See docs/architecture.md, "A token's path", "Failure
+semantics" and "The scheduler actor's epochs".
 """
 
 from __future__ import annotations

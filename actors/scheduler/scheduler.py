@@ -1,22 +1,12 @@
 """The scheduler: the queues, and every change of a request's state.
 
 Synchronous and free of I/O: `schedule() -> StepPlan`, the executor runs it, `update(plan,
-result) -> [RequestOutput]`. One rule covers every kind of work: each step a request's
-computed tokens catch up with its known tokens (prompt + generated), so a prefill chunk, a
-prefix-cache hit, a recompute after preemption and a decode differ only in their numbers.
-
-The scheduler owns every transition: add, preempt, pause, resume, requeue, expire, end.
-What runs in a step is the planner's (`planner.py`: decodes, chunks, admissions and the KV
-they need, with the iteration's state in a plan builder, `plan_builder.py`), which asks the
-scheduler for the preemptions and ends it needs. Its queues are kept by the request table
-(`request_table.py`), which moves a request between places; blocks and the prefix cache
-belong to the KV cache manager (`kv_cache.py`), tenant limits and accounting to the tenant
-ledger (`tenant_ledger.py`) with its buckets, KV caps and deadlines (`tenant_limits.py`),
-who goes first to the policy and the wait queue, and after a lost worker the suspects to
-the bisection (`bisection.py`). A request preempted for memory `max_preemptions` times ends
-with preempted_abort the next time; a preemption for a higher priority does not count.
-Every end state releases every block the request holds in the same call: that rule is
-`_end`'s.
+result) -> [RequestOutput]`. Each step a request's computed tokens catch up with its known
+tokens, so prefill chunks, prefix hits, recomputes and decodes differ only in their numbers.
+It owns every transition (add, preempt, pause, resume, requeue, expire, end), and `_end`
+releases every block a request holds in the same call. What runs in a step is the planner's;
+queues, blocks, tenants, policies and suspects belong to their own modules. See
+docs/architecture.md, "Continuous batching and the scheduler core".
 """
 
 from __future__ import annotations

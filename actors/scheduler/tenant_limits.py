@@ -1,27 +1,11 @@
-"""What a tenant may take over time and how long a request may live: token buckets and
+"""What a tenant may take over time and how long a request may live: token buckets, KV caps and
 deadlines.
 
-A tenant with `input_tokens_per_minute` or `output_tokens_per_minute` gets a bucket of each
-kind: it holds at most one minute's tokens and refills continuously. A request takes its
-prompt from the input bucket and its `max_tokens` from the output bucket when it is first
-admitted (a preempted request does not pay again); when it ends, the output it did not
-generate goes back. A request that does not fit the buckets now stays in the queue, its
-tenant passed over, and other tenants go on. At arrival a request is refused at once when it
-alone exceeds a bucket, and with `retry_after` when the wait for the tokens its tenant's
-queued requests and it need would pass the tenant's `max_queue_wait`.
-
-Buckets belong to tenant names that a config or an operator gave rates to, so the table is
-bounded by the config, not by what clients send; they outlive a tenant's idle spells (going
-idle must not buy a fresh minute).
-
-A tenant's `max_kv_blocks` (`KVCaps`) counts the blocks its live requests hold, a block two
-of them share twice, so the cap holds for what is really held: a new request waits until its
-whole prompt fits under it, and one that must grow past it takes the place of the tenant's
-own youngest request, which the scheduler preempts.
-
-A request's deadline is its arrival plus its own `timeout` or its tenant's default; the
-`Deadlines` heap hands out the requests whose deadline passed, in order, for the scheduler
-to end with TIMEOUT wherever they are.
+`TenantRates` holds each rate-limited tenant's input and output token buckets (one minute's
+tokens, refilled continuously, kept for named tenants only); `KVCaps` counts the blocks a
+tenant's requests hold against its `max_kv_blocks`; `Deadlines` hands out, in order, the requests
+whose timeout passed. The rules a request meets are in docs/configuration.md,
+"[scheduler.tenants.NAME]".
 """
 
 from __future__ import annotations
