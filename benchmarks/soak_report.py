@@ -138,7 +138,7 @@ def problems(report: dict) -> list[str]:
             found.append(f"{live} requests still live after the settle")
         if end["connections"]:
             found.append(f"{end['connections']} connections still open after every client left")
-    # a crashed actor ends the requests it held with an error (DESIGN §8): those are the
+    # a crashed actor ends the requests it held with an error (docs/architecture.md): those are the
     # fault doing what it should, not a defect; any other failure is one
     crashes = "crash_scheduler" in report.get("chaos_kinds", ())
     for phase, numbers in report["well_behaved"].items():

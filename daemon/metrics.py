@@ -8,7 +8,7 @@ time, prefill chunk and decode batch sizes) as typed bucket counts. The Usage ac
 tokens, preemptions, KV block-seconds, compute seconds), rejections by code, and the request
 timings (time to first token as it left the daemon, queue, prefill, time per output token,
 end to end; `actors.usage` says which requests each counts). A scrape whose Usage actor does
-not answer leaves those out. Nothing here reads an actor. Names follow DESIGN §10.
+not answer leaves those out. Nothing here reads an actor. docs/operations.md lists them.
 
 `/health` answers 200 while serving with a ready worker, 503 while draining, while the
 worker is down or `failed` (the body says which), or when the scheduler does not answer.

@@ -1,7 +1,7 @@
-"""The shape of the package, read from its source: no import cycles, and the layering of
-DESIGN §1 (kernels import nothing of ours, the scheduler core no trio, sockets or model and
-of ours only the vocabulary it shares with the wire, `ipc/` no actor, daemon or console, the
-console only `ipc/`), small scheduler-core files and no mixins.
+"""The shape of the package, read from its source: no import cycles, and the layering
+docs/architecture.md describes (kernels import nothing of ours, the scheduler core no trio,
+sockets or model and of ours only the vocabulary it shares with the wire, `ipc/` no actor,
+daemon or console, the console only `ipc/`), small scheduler-core files and no mixins.
 
 Imports are read with `ast`, never executed: the module-level ones and those under
 `if TYPE_CHECKING:` (a cycle hidden there is still a cycle in the design). Imports inside
