@@ -77,3 +77,16 @@ def teacher_forced_top2(runner, prompt_ids: list[int],
     hidden = runner.model.forward(ids, torch.arange(n), pool, attn)
     logits = runner.model.logits(hidden[len(prompt_ids) - 1:])
     return [tuple(row.topk(2).values.tolist()) for row in logits]
+
+
+def hf_teacher_forced(model, prompt_ids: list[int],
+                      token_ids: list[int]) -> tuple[list[int], list[tuple[float, float]]]:
+    """transformers' greedy choice and (best, second) logit before each of `token_ids`, from
+    one forward of prompt + tokens. Where `token_ids` are the model's greedy continuation,
+    each choice equals the token (by induction: the same prefix, the same argmax), so this
+    checks a greedy run as `generate` would, in one forward instead of one per token."""
+    ids = torch.tensor([prompt_ids + token_ids[:-1]])
+    with torch.no_grad():
+        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt_ids) - 1:]
+    top = logits.float().topk(2)
+    return top.indices[:, 0].tolist(), [tuple(v) for v in top.values.tolist()]

@@ -1,9 +1,14 @@
-"""Greedy output equals Hugging Face transformers' on the same GGUF weights."""
+"""Greedy output equals Hugging Face transformers' on the same GGUF weights.
+
+transformers checks each of sluice's tokens in one forward over prompt + output: its greedy
+choice at every position must be sluice's token (`hf_teacher_forced`), which holds exactly
+when sluice's run is transformers' greedy run."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from support.near_ties import hf_teacher_forced
 
 from sluice.actors.scheduler.plan import SamplingParams
 
@@ -36,17 +41,7 @@ def hf_model(smollm_path):
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # run all 64 tokens, as ignore_eos does
-    model.generation_config.pad_token_id = 0
     return model.eval()
-
-
-def hf_greedy(model, prompt_ids: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, attention_mask=torch.ones(1, len(prompt_ids),
-                                                                        dtype=torch.long))
-    return out[0, len(prompt_ids):].tolist()
 
 
 @pytest.mark.slow
@@ -62,4 +57,5 @@ def test_greedy_tokens_match_transformers(make_engine, smollm_tokenizer, hf_mode
 
     for prompt, completion in zip(prompts, ours):
         assert completion.finish_reason == "length"
-        assert completion.token_ids == hf_greedy(hf_model, prompt), smollm_tokenizer.decode(prompt)
+        choices, _ = hf_teacher_forced(hf_model, prompt, completion.token_ids)
+        assert completion.token_ids == choices, smollm_tokenizer.decode(prompt)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.near_ties import assert_equal_until_near_tie, top2_margins
+from support.near_ties import assert_equal_until_near_tie, hf_teacher_forced
 
 from sluice.actors.engine import Engine
 from sluice.actors.scheduler.plan import SamplingParams
@@ -45,17 +45,7 @@ def hf_bf16(smollm_path):
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.bfloat16)
-    model.generation_config.eos_token_id = None  # all tokens, as ignore_eos does
-    model.generation_config.pad_token_id = 0
     return model.eval()
-
-
-def hf_greedy_with_margins(model, prompt_ids: list[int]):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
-    return out.sequences[0, len(prompt_ids):].tolist(), top2_margins(out.logits)
 
 
 @pytest.mark.slow
@@ -68,7 +58,9 @@ def test_bf16_greedy_tokens_match_transformers_bf16_until_a_near_tie(
                                                    ignore_eos=True))
     compared = []
     for prompt, completion in zip(prompts, ours):
-        reference, top2 = hf_greedy_with_margins(hf_bf16, prompt)
+        # transformers' choice and margins given sluice's own prefix: up to the first
+        # difference that prefix is transformers' greedy one, so this is its greedy run
+        reference, top2 = hf_teacher_forced(hf_bf16, prompt, completion.token_ids)
         compared.append(assert_equal_until_near_tie(completion.token_ids, reference, top2,
                                                     torch.bfloat16))
     assert len(PROMPTS) == 8
