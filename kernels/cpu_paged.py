@@ -2,10 +2,10 @@
 
 Same signature as `reference.paged_attention`, which stays the definition it is tested
 against. The C++ op is compiled at first use with torch's extension tooling and cached under
-`TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), one build per CPU kind and
-checkout, so only the first start of a checkout on a machine pays for the build. Where it
-cannot be built (no compiler, no ninja, a failed build) or `SLUICE_CPU_PAGED=off` says so,
-`available()` is False, the reason is logged once and the
+`TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), one build per CPU kind,
+checkout and source, so only the first start of a checkout (or of a changed source) on a
+machine pays for the build. Where it cannot be built (no compiler, no ninja, a failed build)
+or `SLUICE_CPU_PAGED=off` says so, `available()` is False, the reason is logged once and the
 dispatch in `sluice.kernels` runs the reference instead.
 
 What runs where was decided by measurement (one core, SmolLM2 shapes: 9 heads, 3 kv heads,
@@ -28,7 +28,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from sluice.kernels import reference
+from sluice.kernels import checks, reference
 
 __all__ = ["available", "unavailable_reason", "paged_attention", "DISABLE_ENV",
            "MAX_IN_PLACE_QUERY"]
@@ -85,7 +85,10 @@ def _build():
     # and the checkout: torch rebuilds whenever the build file's source path changes, so two
     # checkouts sharing one cache would rebuild (and block on each other's lock) in turn
     checkout = hashlib.sha256(str(SOURCE.resolve()).encode()).hexdigest()[:8]
-    name = f"sluice_paged_attention_cpu_{isa.lower()}_{checkout}"
+    # and the source itself: a changed op (its schema too) is always a fresh build, never
+    # a cached library of the old source that ninja's timestamps took for up to date
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
+    name = f"sluice_paged_attention_cpu_{isa.lower()}_{checkout}_{source}"
     _clear_stale_lock(Path(cpp_extension._get_build_directory(name, False)) / "lock")
     cpp_extension.load(
         name=name,
@@ -153,21 +156,25 @@ def _forget() -> None:
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float,
-                    max_in_place_query: int = MAX_IN_PLACE_QUERY) -> torch.Tensor:
+                    max_in_place_query: int = MAX_IN_PLACE_QUERY, *, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """`reference.paged_attention`, reading the pool in place for every sequence with at most
-    `max_in_place_query` query tokens; needs `available()`."""
+    `max_in_place_query` query tokens; needs `available()`. With a `window` the op visits
+    only the blocks inside it: a windowed decode costs O(window), whatever its context."""
+    checks.check_window_and_softcap(window, softcap)
     op = _load()
     if op is None:
         raise RuntimeError(f"cpu paged attention is unavailable: {_reason}")
     if not query.dtype == key_cache.dtype == value_cache.dtype:
         # the op reads one dtype; a mixed call is rare enough to leave to the reference
         return reference.paged_attention(query, key_cache, value_cache, block_tables,
-                                          query_start_loc, seq_lens, scale)
+                                          query_start_loc, seq_lens, scale, window=window,
+                                          softcap=softcap)
     query = query.contiguous()
     out = torch.empty_like(query)
     op(out, query, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
-       query_start_loc.to(torch.int32), seq_lens.to(torch.int32), float(scale),
-       int(max_in_place_query))
+       query_start_loc.to(torch.int32), seq_lens.to(torch.int32), float(scale), int(window),
+       float(softcap), int(max_in_place_query))
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
     block_size = key_cache.shape[1]
@@ -176,5 +183,5 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         if q_len > max_in_place_query:
             # the reference's own chunk path, so long chunks stay exactly what they were
             reference._attend_chunk(query, key_cache, value_cache, block_tables[i], starts[i],
-                                    q_len, ctx_len, block_size, scale, out)
+                                    q_len, ctx_len, block_size, scale, out, window, softcap)
     return out

@@ -6,7 +6,9 @@
 // times the query heads that share the kv head (GQA), so each K/V block is read once for all
 // of them. Blocks are visited in table order with an online softmax in fp32; a row stops at
 // its own position (causal), so a prefill chunk attends to cached context and to the chunk
-// tokens before it. Work items are handed out dynamically from an atomic counter, largest
+// tokens before it. With a sliding window a row starts at its window's first key, and blocks
+// before the item's earliest window are never visited: a windowed decode costs O(window), not
+// O(context). A soft cap bends each block's scores before the softmax. Work items are handed out dynamically from an atomic counter, largest
 // first, because decodes and long chunks differ in cost by orders of magnitude.
 
 #include <ATen/ATen.h>
@@ -85,6 +87,16 @@ inline void transposed_scores(const float* q, const float* kt, int64_t padded, i
   }
 }
 
+// scores[j] = cap * tanh(scores[j] / cap) for j < n
+inline void soft_cap(float* scores, int64_t n, float cap) {
+  const float inverse = 1.0f / cap;
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    ((Vec::loadu(scores + j) * Vec(inverse)).tanh() * Vec(cap)).store(scores + j);
+  }
+  for (; j < n; ++j) scores[j] = cap * std::tanh(scores[j] * inverse);
+}
+
 // scores[j] = exp(scores[j] - shift) for j < visible; returns their sum
 inline float exp_shifted(float* scores, int64_t visible, float shift) {
   int64_t j = 0;
@@ -125,7 +137,9 @@ struct Scratch {
     row_max.resize(rows);
     row_sum.resize(rows);
     scores.resize(padded_block);
-    keys_t.resize(l.head_dim * padded_block);  // zero-filled once: padding lanes stay finite
+    // zero-filled once: padding lanes stay finite; one vector more, for a row whose window
+    // starts inside the block and whose last vector of scores reads past the last row of K^T
+    keys_t.resize(l.head_dim * padded_block + Vec::size());
     keys.resize(l.block_size * l.head_dim);
     values.resize(l.block_size * l.head_dim);
   }
@@ -135,7 +149,7 @@ template <typename scalar_t>
 void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
                  const scalar_t* key_cache, const scalar_t* value_cache, const int32_t* tables,
                  const int32_t* query_start, const int32_t* seq_lens, float scale,
-                 scalar_t* out, Scratch& s) {
+                 int64_t window, float softcap, scalar_t* out, Scratch& s) {
   const int64_t D = l.head_dim, B = l.block_size;
   const int64_t q_len = query_start[item.seq + 1] - query_start[item.seq];
   const int64_t ctx_len = seq_lens[item.seq];
@@ -156,11 +170,15 @@ void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
 
   const int64_t last_pos = first_pos + item.first_token + item.num_tokens - 1;
   const int64_t num_keys = last_pos + 1;  // the tile's last token sees keys [0, last_pos]
+  // and its first token, the earliest row, sees none before its window
+  const int64_t lowest_key =
+      window > 0 ? std::max<int64_t>(0, first_pos + item.first_token - window + 1) : 0;
   const int32_t* table = tables + item.seq * l.table_width;
   const int64_t token_stride = l.kv_heads * D;  // between two keys of one block and head
-  for (int64_t first_key = 0; first_key < num_keys; first_key += B) {
+  for (int64_t first_key = lowest_key / B * B; first_key < num_keys; first_key += B) {
     const int64_t block = table[first_key / B];
     const int64_t keys_here = std::min(B, num_keys - first_key);
+    const int64_t first_needed = std::max<int64_t>(0, lowest_key - first_key);  // in the block
     const int64_t base = (block * B * l.kv_heads + item.kv_head) * D;
     const float* keys;
     const float* values;
@@ -170,7 +188,7 @@ void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
       values = value_cache + base;
       stride = token_stride;
     } else {
-      for (int64_t j = 0; j < keys_here; ++j) {
+      for (int64_t j = first_needed; j < keys_here; ++j) {
         to_float(key_cache + base + j * token_stride, s.keys.data() + j * D, D);
         to_float(value_cache + base + j * token_stride, s.values.data() + j * D, D);
       }
@@ -182,26 +200,31 @@ void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
     // scores per row is D broadcast FMAs, with no horizontal sum per key
     const bool transposed = rows >= kTransposeRows;
     if (transposed) {
-      for (int64_t j = 0; j < keys_here; ++j) {
+      for (int64_t j = first_needed; j < keys_here; ++j) {
         for (int64_t d = 0; d < D; ++d) s.keys_t[d * s.padded_block + j] = keys[j * stride + d];
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = first_pos + item.first_token + r / l.group;
-      const int64_t visible = std::min(keys_here, pos - first_key + 1);
-      if (visible <= 0) continue;  // this whole block lies after the row's token
+      const int64_t end = std::min(keys_here, pos - first_key + 1);
+      // the row sees keys [begin, end) of this block: from its window's first key on
+      const int64_t begin = window > 0 ? std::max<int64_t>(0, pos - window + 1 - first_key) : 0;
+      const int64_t visible = end - begin;
+      if (visible <= 0) continue;  // the whole block lies after the row's token, or before
       const float* q = s.query.data() + r * D;
+      const float* row_values = values + begin * stride;
       float* scores = s.scores.data();
       if (transposed) {
-        transposed_scores(q, s.keys_t.data(), s.padded_block, visible, D, scores);
+        transposed_scores(q, s.keys_t.data() + begin, s.padded_block, visible, D, scores);
       } else {
-        for (int64_t j = 0; j < visible; ++j) scores[j] = dot(q, keys + j * stride, D);
+        for (int64_t j = 0; j < visible; ++j) scores[j] = dot(q, keys + (begin + j) * stride, D);
       }
+      if (softcap > 0.0f) soft_cap(scores, visible, softcap);
       const float block_max = *std::max_element(scores, scores + visible);
       const float new_max = std::max(s.row_max[r], block_max);
       const float keep = std::exp(s.row_max[r] - new_max);  // exp(-inf) = 0 on the first block
       const float block_sum = exp_shifted(scores, visible, new_max);
-      accumulate(s.acc.data() + r * D, keep, scores, values, stride, visible, D);
+      accumulate(s.acc.data() + r * D, keep, scores, row_values, stride, visible, D);
       s.row_sum[r] = s.row_sum[r] * keep + block_sum;
       s.row_max[r] = new_max;
     }
@@ -219,7 +242,8 @@ void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
 void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables,
                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                          double scale, int64_t max_query_len) {
+                          double scale, int64_t window, double softcap,
+                          int64_t max_query_len) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T,H,D], caches [N,B,KVH,D]");
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && block_tables.is_contiguous(),
@@ -233,6 +257,9 @@ void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Ten
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
                   seq_lens.scalar_type() == at::kInt,
               "block tables, query starts and sequence lengths must be int32");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window), got ", window);
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, "softcap must be finite and >= 0, got ",
+              softcap);
   const Layout l{key_cache.size(1), key_cache.size(2), key_cache.size(3), 0, query.size(1),
                  block_tables.size(1)};
   TORCH_CHECK(query.size(2) == l.head_dim, "query and cache head_dim differ");
@@ -262,7 +289,8 @@ void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Ten
     if (q_len == 0 || q_len > max_query_len) continue;
     for (int64_t first = 0; first < q_len; first += kQueryTile) {
       const int64_t tokens = std::min(kQueryTile, q_len - first);
-      const int64_t keys = ctx_len - q_len + first + tokens;
+      const int64_t seen = ctx_len - q_len + first + tokens;  // keys the last token sees
+      const int64_t keys = window > 0 ? std::min(seen, window + tokens - 1) : seen;
       for (int64_t h = 0; h < layout.kv_heads; ++h) {
         items.push_back({seq, h, first, tokens, tokens * keys});
       }
@@ -284,7 +312,8 @@ void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Ten
       for (int64_t w = begin; w < end; ++w) {
         for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
           attend_item<scalar_t>(items[i], layout, q, k, v, tables, starts, lengths,
-                                static_cast<float>(scale), o, scratch);
+                                static_cast<float>(scale), window,
+                                static_cast<float>(softcap), o, scratch);
         }
       }
     });
@@ -296,7 +325,7 @@ void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Ten
 TORCH_LIBRARY(sluice_cpu, m) {
   m.def("paged_attention_into(Tensor(a!) out, Tensor query, Tensor key_cache, "
         "Tensor value_cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
-        "float scale, int max_query_len) -> ()");
+        "float scale, int window, float softcap, int max_query_len) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {

@@ -7,14 +7,16 @@ import pytest
 import torch
 
 from sluice import kernels
-from sluice.kernels import reference
-from sluice.kernels.testing import BatchShape, mixed_shape, random_paged_batch
+from sluice.kernels import cpu_paged, reference
+from sluice.kernels.testing import BatchShape, decode_shape, mixed_shape, random_paged_batch
 
 # decodes and chunks that start mid-sequence, over contexts of 1 to 100 tokens
 MIXED = mixed_shape((6, 2))
 # windows below every context, equal to some (16, 33, 40) and past all of them
 WINDOWS = (1, 5, 16, 33, 40, 200)
 SOFTCAP = 2.0  # small enough to bend most scores of these random batches
+FP32_ATOL = 2e-5
+EVERYTHING_IN_PLACE = 1 << 30  # max_in_place_query that sends every chunk through the op
 
 
 def dense_attention(batch, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
@@ -43,12 +45,13 @@ def dense_attention(batch, window: int = 0, softcap: float = 0.0) -> torch.Tenso
             visible &= positions[None, :] > query_pos - window
         scores = scores.masked_fill(~visible[:, None, :], -math.inf)
         out[tokens] = torch.einsum("qhl,lhd->qhd", torch.softmax(scores, dim=-1), values)
-    return out.to(batch.query.dtype)
+    return out
 
 
-def assert_close_to_dense(got, batch, window, softcap, atol=2e-5):
+def assert_close_to_dense(got, batch, window, softcap, atol=FP32_ATOL):
     assert got.shape == batch.query.shape and got.dtype == batch.query.dtype
-    torch.testing.assert_close(got, dense_attention(batch, window, softcap), atol=atol, rtol=0)
+    want = dense_attention(batch, window, softcap).to(got.dtype)
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +59,26 @@ def mixed_batch():
     return random_paged_batch(MIXED, seed=21)
 
 
+@pytest.fixture(scope="module")
+def mixed_dense(mixed_batch):
+    """dense_attention(mixed_batch, window, softcap), computed once per module and pair."""
+    results = {}
+
+    def dense(window, softcap):
+        if (window, softcap) not in results:
+            results[window, softcap] = dense_attention(mixed_batch, window, softcap).float()
+        return results[window, softcap]
+
+    return dense
+
+
 @pytest.mark.parametrize("softcap", [0.0, SOFTCAP], ids=["no-cap", "cap"])
 @pytest.mark.parametrize("window", (0, *WINDOWS))
-def test_reference_matches_dense(mixed_batch, window, softcap):
+def test_reference_matches_dense(mixed_batch, mixed_dense, window, softcap):
     got = reference.paged_attention(*mixed_batch.attention_args(), window=window,
                                     softcap=softcap)
-    assert_close_to_dense(got, mixed_batch, window, softcap)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, mixed_dense(window, softcap), atol=FP32_ATOL, rtol=0)
 
 
 def test_defaults_leave_the_result_bit_identical(mixed_batch):
@@ -99,7 +116,90 @@ def test_bad_window_or_softcap_is_refused_by_name(mixed_batch, window, softcap, 
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_dispatch_passes_window_and_softcap(mixed_batch, monkeypatch, backend):
+def test_dispatch_passes_window_and_softcap(mixed_batch, mixed_dense, monkeypatch, backend):
     monkeypatch.setenv("SLUICE_ATTENTION", backend)
     got = kernels.paged_attention(*mixed_batch.attention_args(), window=16, softcap=SOFTCAP)
-    assert_close_to_dense(got, mixed_batch, 16, SOFTCAP)
+    torch.testing.assert_close(got, mixed_dense(16, SOFTCAP), atol=FP32_ATOL, rtol=0)
+
+
+def cpu_in_place(batch, window=0, softcap=0.0, max_in_place_query=EVERYTHING_IN_PLACE):
+    return cpu_paged.paged_attention(*batch.attention_args(), window=window, softcap=softcap,
+                                     max_in_place_query=max_in_place_query)
+
+
+def poison_before_windows(batch, window):
+    """NaN into every K/V entry before the window of each sequence's first query token: a
+    backend that reads one of them (even to mask it) returns NaN."""
+    block_size = batch.key_cache.shape[1]
+    starts = batch.query_start_loc.tolist()
+    for seq, ctx_len in enumerate(batch.seq_lens.tolist()):
+        first_pos = ctx_len - (starts[seq + 1] - starts[seq])
+        for pos in range(max(0, first_pos - window + 1)):
+            block = int(batch.block_tables[seq, pos // block_size])
+            batch.key_cache[block, pos % block_size] = math.nan
+            batch.value_cache[block, pos % block_size] = math.nan
+
+
+@pytest.fixture(scope="module")
+def cpu_op():
+    cpu_paged._forget()  # a verdict recorded under another test's environment does not count
+    if not cpu_paged.available():
+        pytest.fail(f"the CPU op did not build: {cpu_paged.unavailable_reason()}")
+    yield
+    cpu_paged._forget()
+
+
+@pytest.mark.parametrize("softcap", [0.0, SOFTCAP], ids=["no-cap", "cap"])
+@pytest.mark.parametrize("window", (0, *WINDOWS))
+@pytest.mark.parametrize("routing", ["all-in-place", "default"])
+def test_cpu_op_matches_dense(cpu_op, mixed_batch, mixed_dense, window, softcap, routing):
+    limit = EVERYTHING_IN_PLACE if routing == "all-in-place" else cpu_paged.MAX_IN_PLACE_QUERY
+    got = cpu_in_place(mixed_batch, window, softcap, limit)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, mixed_dense(window, softcap), atol=FP32_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [mixed_shape((8, 1), 32), decode_shape((6, 2)),
+                                   mixed_shape((2, 2), head_dim=128)], ids=lambda s: s.name)
+def test_cpu_op_other_layouts_match_dense(cpu_op, shape):
+    batch = random_paged_batch(shape, seed=23)
+    for window, softcap in ((7, 0.0), (33, SOFTCAP), (0, 30.0)):
+        assert_close_to_dense(cpu_in_place(batch, window, softcap), batch, window, softcap)
+
+
+def test_cpu_op_bf16_accumulates_in_fp32(cpu_op):
+    batch = random_paged_batch(MIXED, dtype=torch.bfloat16, seed=24)
+    got = cpu_in_place(batch, window=9, softcap=SOFTCAP)
+    assert got.dtype == torch.bfloat16
+    exact = dense_attention(batch, 9, SOFTCAP)  # from the same rounded inputs, in fp64
+    torch.testing.assert_close(got.double(), exact, atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 20])
+def test_cpu_op_never_reads_keys_before_the_window(cpu_op, window):
+    # a windowed decode costs O(window): nothing before the window is read at all
+    batch = random_paged_batch(MIXED, seed=25)
+    want = dense_attention(batch, window, SOFTCAP).float()
+    poison_before_windows(batch, window)
+    got = cpu_in_place(batch, window, SOFTCAP)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+
+
+def test_cpu_op_chunked_prefill_equals_one_pass_with_a_window(cpu_op):
+    whole = random_paged_batch(BatchShape((50,), (50,), 6, 2), seed=26)
+    want = dense_attention(whole, 12, SOFTCAP).float()
+    pieces = []
+    for start, end in ((0, 17), (17, 34), (34, 37), (37, 49), (49, 50)):
+        pieces.append(cpu_paged.paged_attention(
+            whole.query[start:end], whole.key_cache, whole.value_cache, whole.block_tables,
+            torch.tensor([0, end - start], dtype=torch.int32),
+            torch.tensor([end], dtype=torch.int32), whole.scale, window=12, softcap=SOFTCAP,
+            max_in_place_query=EVERYTHING_IN_PLACE))
+    torch.testing.assert_close(torch.cat(pieces), want, atol=FP32_ATOL, rtol=0)
+
+
+def test_cpu_op_defaults_are_the_unwindowed_uncapped_result(cpu_op, mixed_batch):
+    plain = cpu_in_place(mixed_batch)
+    assert torch.equal(plain, cpu_in_place(mixed_batch, window=0, softcap=0.0))
+    assert_close_to_dense(plain, mixed_batch, 0, 0.0)
