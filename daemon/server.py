@@ -45,7 +45,7 @@ from sluice.actors.front.stream import Stream
 from sluice.actors.runtime.supervisor import Supervisor
 from sluice.actors.text import load_tokenizer
 from sluice.actors.text.actor import Tokenizer
-from sluice.actors.usage import UsageLog
+from sluice.actors.usage.actor import UsageLog
 from sluice.daemon import version
 from sluice.daemon.config import DaemonConfig, runtime_dir
 from sluice.ipc import messages as m

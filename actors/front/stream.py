@@ -25,7 +25,7 @@ from sluice.actors.runtime import messages as am
 from sluice.actors.runtime.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.front.intake import check_generate
 from sluice.actors.front.limits import Limits, clip
-from sluice.actors.usage import complete, record, since
+from sluice.actors.usage.records import complete, record, since
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
 

@@ -30,7 +30,7 @@ long prompts whose tokenizing was cut off, are handled first by the new incarnat
 A request's `Finished` is built here from the core's end of it, which carries its cost: a
 matched stop string ends the text at once but holds the `Finished` until the Scheduler's end
 comes back (`StopMatched`). An `Ending` with that cost goes to the Stream right before the
-`Finished`, for the usage record (`actors.usage`); for a request its Stream no longer waits
+`Finished`, for the usage record (`actors.usage.records`); for a request its Stream no longer waits
 for (`Release.unattended`), the record is made here.
 
 After each message it tells the Scheduler how many messages its inbox still holds
@@ -56,7 +56,7 @@ from sluice.actors.front.intake import check_prompt_form, check_prompt_length
 from sluice.actors.front.limits import Limits, clip
 from sluice.actors.runtime.reports import BacklogGauge
 from sluice.actors.text import RequestText
-from sluice.actors.usage import complete, core_points, record, since
+from sluice.actors.usage.records import complete, core_points, record, since
 from sluice.ipc import messages as m
 from sluice.ipc.vocabulary import InvalidParams, SamplingParams
 

@@ -1,19 +1,7 @@
-"""Usage records: one per ended request, as an operator bills and diagnoses it.
-
-A request's record is made where its end is last seen: by its Stream when the request's
-`Finished` leaves for the client (the common case: only the Stream knows when the first token
-and the end left the daemon), or by the Tokenizer for a request its Stream gave up without
-waiting (the client vanished, the stream failed; see `Release.unattended`). Either way it is
-built here, by `record`, from the same parts: the client's `Usage`, the points of `Timings`,
-and the scheduler core's `RequestCost`.
-
-The Usage actor takes the records (`Ended`, one message per handled message of its sender)
-and, per record:
-- logs the structured event "request ended" (ids, tenant, counts, timings; never text);
-- appends it as one JSON line to the usage file, if one is configured, flushed at once; the
-  file is opened for appending, so it survives restarts, and opened again on SIGHUP
-  (`ReopenUsageLog`), so it can be rotated;
-- adds it to the per-tenant totals and the request-timing histograms the metrics render.
+"""The Usage actor: takes the usage records of ended requests (`Ended`) and, per record, logs
+"request ended" (ids, tenant, counts, timings; never text), appends it as one JSON line to the
+usage file if one is configured (reopened on SIGHUP, so it can be rotated), and adds it to the
+per-tenant totals and request-timing histograms the metrics render.
 
 Tenant labels are bounded as everywhere: a tenant no config or operator created is summed
 under "" (rendered `(other)`). A record keeps the tenant's real name. A request the scheduler
@@ -29,8 +17,6 @@ Which requests each histogram counts (every finish reason, unless said):
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import json
 from collections import Counter
 
@@ -43,68 +29,9 @@ from sluice.actors.runtime.reports import (
     Histogram, TenantUsageTotals, UsageQuery, UsageRecord, UsageSnapshot, UsageSums,
 )  # fmt: skip
 from sluice.actors.scheduler.latency import LATENCY_BOUNDS, Buckets
-from sluice.actors.scheduler.plan import RequestCost
-from sluice.ipc import messages as m
+from sluice.actors.usage.records import TIMING_KINDS, as_json
 
 log = structlog.get_logger("sluice.usage")
-
-TIMING_KINDS = ("ttft", "queue", "prefill", "tpot", "e2e")
-
-
-def since(mark: float, received: float) -> float:
-    """A point on the monotonic clock as seconds after `received` (0.0: it never happened)."""
-    return max(0.0, mark - received) if mark else 0.0
-
-
-def core_points(cost: RequestCost | None, received: float) -> dict[str, float]:
-    """The points the scheduler core saw, as `Timings` fields."""
-    if cost is None:
-        return {}
-    return {"queued": since(cost.queued, received), "scheduled": since(cost.scheduled, received),
-            "prefill_done": since(cost.prefill_done, received)}
-
-
-def complete(timings: m.Timings, *, first_token: float, finished: float,
-             completion_tokens: int) -> m.Timings:
-    """`timings` with the delivery points (seconds after receipt) and the derived spans."""
-    t = dataclasses.replace(timings, first_token=first_token, finished=finished)
-    queue = t.scheduled - t.queued if t.scheduled and t.queued else 0.0
-    prefill = t.prefill_done - t.scheduled if t.prefill_done and t.scheduled else 0.0
-    tpot = 0.0
-    if first_token and finished and completion_tokens > 1:
-        tpot = (finished - first_token) / (completion_tokens - 1)
-    return dataclasses.replace(t, queue=max(0.0, queue), prefill=max(0.0, prefill),
-                               ttft=first_token, tpot=max(0.0, tpot), e2e=finished)
-
-
-def record(*, usage_id: str, client_id: str, tenant: str, reason: m.FinishReason,
-           usage: m.Usage, timings: m.Timings, cost: RequestCost | None, start: float,
-           end: float, limits: Limits) -> UsageRecord:
-    """The usage record of an ended request, its `timings` complete."""
-    sums = UsageSums(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
-                     usage.recomputed_tokens)
-    if cost is not None:
-        sums = dataclasses.replace(sums, preemptions=cost.preemptions,
-                                   kv_block_seconds=cost.kv_block_seconds,
-                                   compute_seconds=cost.compute_seconds)
-    return UsageRecord(
-        usage_id, clip(client_id, limits), cost.tenant if cost is not None else tenant,
-        cost.configured if cost is not None else False, start, end, reason.name.lower(), sums,
-        timings)
-
-
-def as_json(rec: UsageRecord) -> dict:
-    """A record as its usage-file line: wall-clock times in ISO 8601 UTC."""
-    body = dataclasses.asdict(rec)
-    del body["configured"]
-    body.update(body.pop("sums"))  # the summed quantities stand at the top, each by name
-    body["start"], body["end"] = _utc(rec.start), _utc(rec.end)
-    return {"event": "usage", **body}
-
-
-def _utc(seconds: float) -> str:
-    moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class _Totals:
