@@ -8,12 +8,14 @@ reading its config need no torch and live in `model_files`, re-exported here.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from sluice.actors.executor.config import ModelConfig
+from sluice.actors.executor.model import weight_shapes
 from sluice.actors.executor.model_files import (  # noqa: F401 (re-exported)
     EMBEDDED_PACKAGE,
     SUPPORTED_ARCHITECTURES,
@@ -82,6 +84,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
         elif permuted and name.endswith((".k_proj", ".k_bias")):
             values = _unpermute_rotary_rows(values, config.num_kv_heads)
         weights[name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+    _check_weights(config, weights, {}, str(path))
     return config, weights
 
 
@@ -123,34 +126,83 @@ _HF_LAYER_NAMES = {
     "mlp.up_proj.weight": "up_proj",
     "mlp.down_proj.weight": "down_proj",
 }
+# each family's names where they differ from Llama's
+_HF_FAMILY_LAYER_NAMES = {
+    # q, k and v in one matrix, gate and up in another: split at load
+    "phi3": {"self_attn.qkv_proj.weight": "qkv_proj", "mlp.gate_up_proj.weight": "gate_up_proj"},
+}
 
+
+def _hf_layer_names(model_type: str) -> dict[str, str]:
+    return {**_HF_LAYER_NAMES, **_HF_FAMILY_LAYER_NAMES.get(model_type, {})}
 
 
 def _load_hf_folder(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors import safe_open
 
     config = _hf_config(folder)
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    layer_names = _hf_layer_names(model_type)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no .safetensors files")
     weights: dict[str, torch.Tensor] = {}
+    sources: dict[str, str] = {}  # ours -> "file: its name there", for the refusals
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for key in handle.keys():
-                    name = _hf_name(key)
+                    name = _hf_name(key, layer_names)
                     if name is not None:
                         weights[name] = handle.get_tensor(key).to(dtype)
+                        sources[name] = f"{file}: {key}"
         except ModelLoadError:
             raise
         except Exception as exc:
             raise ModelLoadError(f"{file}: unreadable safetensors file ({exc})") from exc
+    if model_type == "phi3":
+        _split_fused(weights, sources, config)
+    _check_weights(config, weights, sources, f"{folder} (model_type {model_type})")
     return config, weights
+
+
+def _split_fused(weights: dict[str, torch.Tensor], sources: dict[str, str],
+                 config: ModelConfig) -> None:
+    """Phi-3's qkv_proj into q, k and v rows, its gate_up_proj into gate and up rows."""
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    splits = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), (q, kv, kv)),
+              "gate_up_proj": (("gate_proj", "up_proj"),
+                               (config.intermediate_size, config.intermediate_size))}
+    for name in [n for n in weights if n.rsplit(".", 1)[-1] in splits]:
+        prefix, fused = name.rsplit(".", 1)
+        parts, rows = splits[fused]
+        weight = weights.pop(name)
+        if weight.shape != (sum(rows), config.hidden_size):
+            raise ModelLoadError(f"{sources[name]} has shape {tuple(weight.shape)}, the config "
+                                 f"gives {(sum(rows), config.hidden_size)}")
+        for part, piece in zip(parts, weight.split(rows)):
+            weights[f"{prefix}.{part}"] = piece
+            sources[f"{prefix}.{part}"] = sources[name]
+
+
+def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor],
+                   sources: dict[str, str], where: str) -> None:
+    """Every weight the config needs is there, in the shape it gives."""
+    expected = weight_shapes(config)
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        raise ModelLoadError(f"{where}: weight {missing[0]!r} is missing ({len(missing)} of "
+                             f"{len(expected)} missing)")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ModelLoadError(f"{sources.get(name, where + ': ' + name)} has shape "
+                                 f"{tuple(weights[name].shape)}, the config gives {shape}")
 
 
 _HF_TOP_NAMES = {"embed_tokens.weight": "embed", "norm.weight": "final_norm",
                  "lm_head.weight": "lm_head"}
 
 
-def _hf_name(key: str) -> str | None:
-    return _our_name(key.removeprefix("model."), _HF_TOP_NAMES, "layers.", _HF_LAYER_NAMES)
+def _hf_name(key: str, layer_names: dict[str, str] = _HF_LAYER_NAMES) -> str | None:
+    return _our_name(key.removeprefix("model."), _HF_TOP_NAMES, "layers.", layer_names)

@@ -95,7 +95,7 @@ class LlamaModel:
         # drawn on the target device in the target dtype: an 8B shape never touches host memory
         generator = torch.Generator(device=device).manual_seed(seed)
         weights = {}
-        for name, shape in _weight_shapes(config).items():
+        for name, shape in weight_shapes(config).items():
             if name.endswith("norm"):
                 weights[name] = torch.ones(shape, device=device, dtype=dtype)
             else:
@@ -208,7 +208,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
-def _weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, q = config.hidden_size, config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
     shapes: dict[str, tuple[int, ...]] = {"embed": (config.vocab_size, h), "final_norm": (h,)}
@@ -231,4 +231,4 @@ def _weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _required_names(config: ModelConfig) -> list[str]:
-    return list(_weight_shapes(config))
+    return list(weight_shapes(config))

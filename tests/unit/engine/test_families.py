@@ -169,9 +169,9 @@ def test_a_sliding_window_holds_the_context_within_it(tmp_path, smollm_tokenizer
 
 
 def test_unknown_model_type_names_the_supported_ones(tmp_path):
-    write_config(tmp_path, model_type="gemma3")
-    with pytest.raises(ModelLoadError, match=r"'gemma3' is not supported \(supported: llama, "
-                                             r"qwen2, qwen3, mistral\)"):
+    write_config(tmp_path, model_type="gpt2")
+    with pytest.raises(ModelLoadError, match=r"'gpt2' is not supported \(supported: llama, "
+                                             r"qwen2, qwen3, mistral, phi3"):
         read_model_config(tmp_path)
 
 

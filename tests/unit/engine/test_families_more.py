@@ -1,0 +1,111 @@
+"""Phi-3 loads as
+transformers runs them: tiny random-weight models that transformers writes, held to its own
+logits and to 24 greedy tokens of three prompts batched; what cannot load is refused with the
+file, the field and the value."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sluice.actors.engine import Engine
+from sluice.actors.executor.loader import ModelLoadError, load_weights, read_model_config
+from sluice.actors.executor.runner import ModelRunner
+from sluice.actors.scheduler import SchedulerConfig
+from sluice.actors.scheduler.plan import SamplingParams
+
+from test_families import SHAPE, VOCAB, save
+from test_loader import forward_logits
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 24
+PROMPTS = [[(7 * i + 3) % VOCAB for i in range(40)], [(11 * i + 5) % VOCAB for i in range(9)],
+           [(13 * i + 1) % VOCAB for i in range(23)]]
+
+
+def hf_greedy(reference, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def assert_matches_transformers(reference, folder, tokenizer) -> None:
+    """The first prompt's logits, then 24 greedy tokens of every prompt batched (prefill in
+    chunks of 16), equal transformers'; the KV pool is consistent after."""
+    runner = ModelRunner(folder, dtype="float32", num_blocks=32, block_size=16)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPTS[0]])).logits[0]
+    torch.testing.assert_close(forward_logits(runner.model, PROMPTS[0]), expected,
+                               atol=1e-4, rtol=1e-4)
+    engine = Engine(runner=runner, tokenizer=tokenizer,
+                    scheduler_config=SchedulerConfig(max_prefill_chunk=16))
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    completions = engine.generate(PROMPTS, greedy)
+    engine.scheduler.check_invariants()
+    for prompt, completion in zip(PROMPTS, completions):
+        assert completion.token_ids == hf_greedy(reference, prompt)
+
+
+def build(config_class, model_class, **options):
+    config = getattr(transformers, config_class)(max_position_embeddings=128, **{**SHAPE,
+                                                                                **options})
+    torch.manual_seed(0)
+    reference = getattr(transformers, model_class)(config).eval()
+    for name, weight in reference.named_parameters():
+        if "norm" in name:  # make every norm matter
+            torch.nn.init.normal_(weight, mean=0.5, std=0.5)
+    return reference
+
+
+def test_phi3_splits_its_fused_matrices(tmp_path, smollm_tokenizer):
+    reference = build("Phi3Config", "Phi3ForCausalLM", pad_token_id=0, rope_theta=5000.0)
+    save(reference, tmp_path)
+    config, weights = load_weights(tmp_path, torch.float32)
+    assert "layers.0.qkv_proj" not in weights and weights["layers.0.v_proj"].shape == (32, 64)
+    assert config.sliding_window is None
+    assert_matches_transformers(reference, tmp_path, smollm_tokenizer)
+
+
+def write_config(folder, **changes) -> None:
+    raw = dict(model_type="phi3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+               num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
+    (folder / "config.json").write_text(json.dumps({**raw, **changes}))
+    (folder / "model.safetensors").write_bytes(b"")  # the config is refused before weights
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(model_type="phi3", rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
+                                           "long_factor": [2.0] * 8}),
+     r"rope scaling type 'longrope' is not supported"),
+    (dict(model_type="llama", hidden_act="relu"), r"hidden_act 'relu' is not supported"),
+])
+def test_a_config_that_cannot_load_is_refused(tmp_path, changes, message):
+    write_config(tmp_path, **changes)
+    with pytest.raises(ModelLoadError, match=message) as refused:
+        read_model_config(tmp_path)
+    assert "config.json" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_missing_and_misshapen_weights_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    reference = build("Phi3Config", "Phi3ForCausalLM", pad_token_id=0)
+    save(reference, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    qkv = tensors["model.layers.1.self_attn.qkv_proj.weight"]
+    save_file({**tensors, "model.layers.1.self_attn.qkv_proj.weight": qkv[1:]},
+              tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"model.safetensors: model.layers.1.self_attn."
+                                             r"qkv_proj.weight has shape \(127, 64\), the "
+                                             r"config gives \(128, 64\)"):
+        load_weights(tmp_path, torch.float32)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"\(model_type phi3\): weight 'layers.1.down_proj' "
+                                             r"is missing \(1 of 21 missing\)"):
+        load_weights(tmp_path, torch.float32)
