@@ -44,16 +44,11 @@ def paged_attention(query, key_cache, value_cache, block_tables, query_start_loc
     query at position p sees only keys p - window < k <= p; `softcap` > 0: scaled scores
     become softcap * tanh(scores / softcap) before the softmax. 0 turns either off."""
     backend = backend_for(query)
-    if backend == "triton" and (window or softcap):
-        # the Triton kernel does not take these yet: the reference serves them
-        return reference.paged_attention(query, key_cache, value_cache, block_tables,
-                                         query_start_loc, seq_lens, scale, window=window,
-                                         softcap=softcap)
     if backend == "triton":
         from sluice.kernels.attention import paged_attention as launch
 
         return launch(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                      scale)
+                      scale, window=window, softcap=softcap)
     if backend == "cpu":
         return cpu_paged.paged_attention(query, key_cache, value_cache, block_tables,
                                          query_start_loc, seq_lens, scale, window=window,

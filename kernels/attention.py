@@ -7,6 +7,11 @@ its sequence by binary search over `query_start_loc`, so the launch needs no hos
 of the per-sequence lengths. Causality covers both the cached context and the chunk itself:
 query token j of a sequence sits at position seq_len - q_len + j and sees keys up to it.
 
+A sliding window (`window` > 0: position p sees keys p - window < k <= p) and a soft cap on
+the scores (`softcap` > 0: s -> softcap * tanh(s / softcap)) are compile-time switches: off,
+the kernel is the one without them. With a window a program starts at the window of its
+tile's first query, so key tiles wholly before it are never read.
+
 The torch twin with the same signature is `sluice.kernels.reference.paged_attention`.
 """
 
@@ -29,6 +34,7 @@ def _paged_attention_kernel(
     Out, PartialOut, PartialMax, PartialSum,
     Query, KeyCache, ValueCache, BlockTables, QueryStartLoc, SeqLens,
     scale_log2,
+    window, softcap_scale, softcap_log2,
     num_seqs,
     stride_qt, stride_qh,
     stride_ot, stride_oh,
@@ -43,6 +49,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -84,9 +91,16 @@ def _paged_attention_kernel(
     # keys past the tile's last query are never visible to it
     keys_needed = tl.minimum(context_before + (local_tile + 1) * BLOCK_Q, seq_len)
     # with NUM_SPLITS > 1 each program takes one contiguous share of the key tiles
-    tiles = (keys_needed + TILE_N - 1) // TILE_N
-    tiles_per_split = (tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    keys_from = split * tiles_per_split * TILE_N
+    if USE_WINDOW:
+        # nor are keys before the window of the tile's first query: those are never read
+        keys_start = tl.maximum(context_before + local_tile * BLOCK_Q - window + 1, 0)
+        tiles = (keys_needed - keys_start + TILE_N - 1) // TILE_N
+        tiles_per_split = (tiles + NUM_SPLITS - 1) // NUM_SPLITS
+        keys_from = keys_start + split * tiles_per_split * TILE_N
+    else:
+        tiles = (keys_needed + TILE_N - 1) // TILE_N
+        tiles_per_split = (tiles + NUM_SPLITS - 1) // NUM_SPLITS
+        keys_from = split * tiles_per_split * TILE_N
     keys_to = tl.minimum(keys_from + tiles_per_split * TILE_N, keys_needed)
     table = BlockTables + seq.to(tl.int64) * stride_table
     key_base = KeyCache + kv_head.to(tl.int64) * stride_kh
@@ -109,8 +123,18 @@ def _paged_attention_kernel(
             scores = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
             scores = tl.dot(q, k)
-        scores = scores * scale_log2
+        if USE_SOFTCAP:
+            # softcap * tanh(scale * s / softcap), in log2 units as the softmax runs on exp2;
+            # tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) <= 1, which never overflows
+            capped = scores * softcap_scale
+            e = tl.exp2(tl.abs(capped) * -2.8853900817779268)  # -2 * log2(e)
+            tanh_abs = (1.0 - e) / (1.0 + e)
+            scores = tl.where(capped < 0, -tanh_abs, tanh_abs) * softcap_log2
+        else:
+            scores = scores * scale_log2
         visible = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
 
         # a row that has seen no visible key yet keeps max -inf; subtract 0 then, not -inf
@@ -131,6 +155,9 @@ def _paged_attention_kernel(
         running_max = new_max
 
     store_mask = row_valid[:, None] & dim_valid[None, :]
+    if USE_WINDOW:
+        # a padding row past the chunk's end may have no key in its window: no 0 / 0 for it
+        running_sum = tl.where(row_valid, running_sum, 1.0)
     if NUM_SPLITS == 1:
         out = acc / running_sum[:, None]
         o_offsets = (token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh
@@ -162,7 +189,7 @@ def _merge_splits_kernel(
     sums = tl.load(PartialSum + row, mask=split_valid, other=0.0)
     accs = tl.load(PartialOut + row[:, None] * HEAD_DIM_PAD + dims[None, :],
                    mask=split_valid[:, None], other=0.0)
-    # the first split always holds key 0, so the overall max is finite
+    # every row sees its own key in one of the splits, so the overall max is finite
     overall = tl.max(maxes, axis=0)
     weights = tl.exp2(maxes - overall)
     total = tl.sum(sums * weights, axis=0)
@@ -179,6 +206,9 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its paged context.
 
@@ -186,19 +216,24 @@ def paged_attention(
     query[query_start_loc[i]:query_start_loc[i+1]], the last ones of its seq_lens[i]-token
     context, whose K/V already sit in the pools [num_blocks, block_size, kv_heads, head_dim].
     block_tables [num_seqs, max_blocks] maps each sequence's logical blocks to pool blocks.
+    `window` > 0: the query at position p sees only keys p - window < k <= p; `softcap` > 0:
+    scaled scores become softcap * tanh(scores / softcap). 0 turns either off.
     Returns a new tensor shaped and typed like query.
     """
     checks.check_attention_arguments(query, key_cache, value_cache, block_tables,
                                      query_start_loc, seq_lens, scale)
+    checks.check_window_and_softcap(window, softcap)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     with checks.on_device(query):
         launch_paged_attention(out, query, key_cache, value_cache, block_tables,
-                               query_start_loc, seq_lens, scale)
+                               query_start_loc, seq_lens, scale, window=window,
+                               softcap=softcap)
     return out
 
 
 def launch_paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                           seq_lens, scale: float, num_splits: int | None = None) -> None:
+                           seq_lens, scale: float, num_splits: int | None = None, *,
+                           window: int = 0, softcap: float = 0.0) -> None:
     """Launch into `out` without checking anything (benchmarks and tests call this).
 
     `num_splits` > 1 divides each sequence's keys among that many programs and merges their
@@ -230,6 +265,7 @@ def launch_paged_attention(out, query, key_cache, value_cache, block_tables, que
         out, partial_out, partial_max, partial_sum,
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
         scale * _LOG2E,
+        window, scale / softcap if softcap else 0.0, softcap * _LOG2E,
         num_seqs,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
@@ -244,6 +280,7 @@ def launch_paged_attention(out, query, key_cache, value_cache, block_tables, que
         TILE_N=max(32, block_size) if head_dim <= 128 else 32,
         NUM_SPLITS=num_splits,
         DOT_IN_FP32=_dot_in_fp32(query.dtype),
+        USE_WINDOW=window > 0, USE_SOFTCAP=softcap > 0,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -103,7 +103,7 @@ def test_dispatch_override_routes_cpu_tensors_to_triton(monkeypatch):
     calls = []
     launch = attention.paged_attention
     monkeypatch.setattr(attention, "paged_attention",
-                        lambda *args: calls.append(1) or launch(*args))
+                        lambda *args, **kwargs: calls.append(1) or launch(*args, **kwargs))
     monkeypatch.setenv("SLUICE_ATTENTION", "triton")
     got = kernels.paged_attention(*batch.attention_args())
     assert calls == [1]

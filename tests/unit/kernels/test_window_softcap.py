@@ -1,5 +1,6 @@
 """Sliding-window and soft-capped paged attention on every backend (the torch reference, the
-CPU in-place op, Triton under the interpreter) against a dense masked softmax written here."""
+CPU in-place op, Triton under the interpreter) against a dense masked softmax written here.
+The Triton cases use tiny shapes: the interpreter pays for every program it runs."""
 
 import math
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from sluice import kernels
-from sluice.kernels import cpu_paged, reference
+from sluice.kernels import attention, cpu_paged, reference
 from sluice.kernels.testing import BatchShape, decode_shape, mixed_shape, random_paged_batch
 
 # decodes and chunks that start mid-sequence, over contexts of 1 to 100 tokens
@@ -15,6 +16,9 @@ MIXED = mixed_shape((6, 2))
 # windows below every context, equal to some (16, 33, 40) and past all of them
 WINDOWS = (1, 5, 16, 33, 40, 200)
 SOFTCAP = 2.0  # small enough to bend most scores of these random batches
+# Triton's tiny batch: decodes, a chunk resuming at 8, and a 33-token prefill that spans two
+# query tiles of the kernel, with GQA
+TINY = BatchShape((40, 9, 20, 1, 33), (1, 1, 12, 1, 33), 4, 2, head_dim=16)
 FP32_ATOL = 2e-5
 EVERYTHING_IN_PLACE = 1 << 30  # max_in_place_query that sends every chunk through the op
 
@@ -115,7 +119,7 @@ def test_bad_window_or_softcap_is_refused_by_name(mixed_batch, window, softcap, 
         kernels.paged_attention(*mixed_batch.attention_args(), window=window, softcap=softcap)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_dispatch_passes_window_and_softcap(mixed_batch, mixed_dense, monkeypatch, backend):
     monkeypatch.setenv("SLUICE_ATTENTION", backend)
     got = kernels.paged_attention(*mixed_batch.attention_args(), window=16, softcap=SOFTCAP)
@@ -203,3 +207,63 @@ def test_cpu_op_defaults_are_the_unwindowed_uncapped_result(cpu_op, mixed_batch)
     plain = cpu_in_place(mixed_batch)
     assert torch.equal(plain, cpu_in_place(mixed_batch, window=0, softcap=0.0))
     assert_close_to_dense(plain, mixed_batch, 0, 0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_batch():
+    return random_paged_batch(TINY, seed=27)
+
+
+def test_triton_runs_under_the_interpreter():
+    assert type(attention._paged_attention_kernel).__name__ == "InterpretedFunction"
+
+
+# windows below every context, equal to two (20, 33), past all; each with and without a cap
+@pytest.mark.parametrize("window, softcap", [
+    (0, SOFTCAP), (1, 0.0), (5, SOFTCAP), (20, 0.0), (33, SOFTCAP), (200, 0.0),
+])
+def test_triton_matches_dense(tiny_batch, window, softcap):
+    got = attention.paged_attention(*tiny_batch.attention_args(), window=window,
+                                    softcap=softcap)
+    assert_close_to_dense(got, tiny_batch, window, softcap)
+
+
+@pytest.mark.parametrize("shape, num_splits", [
+    (BatchShape((40, 9, 70), (1, 1, 1), 4, 2, head_dim=16), 3),
+    (TINY, 2),  # chunk rows whose window lies wholly in one split: the others weigh nothing
+], ids=["decode", "mixed"])
+def test_triton_split_keys_merge_with_a_window(shape, num_splits):
+    batch = random_paged_batch(shape, seed=28)
+    got = torch.full_like(batch.query, math.nan)
+    attention.launch_paged_attention(got, *batch.attention_args(), num_splits=num_splits,
+                                     window=7, softcap=SOFTCAP)
+    assert_close_to_dense(got, batch, 7, SOFTCAP)
+
+
+def test_triton_never_reads_key_tiles_before_the_window():
+    batch = random_paged_batch(TINY, seed=29)
+    want = dense_attention(batch, 6, SOFTCAP).float()
+    poison_before_windows(batch, 6)
+    got = attention.paged_attention(*batch.attention_args(), window=6, softcap=SOFTCAP)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+
+
+def test_triton_half_precision_accumulates_in_fp32():
+    batch = random_paged_batch(TINY, dtype=torch.float16, seed=30)
+    got = attention.paged_attention(*batch.attention_args(), window=9, softcap=SOFTCAP)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.double(), dense_attention(batch, 9, SOFTCAP), atol=2e-3,
+                               rtol=0)
+
+
+def test_triton_defaults_are_the_unwindowed_uncapped_result(tiny_batch):
+    plain = attention.paged_attention(*tiny_batch.attention_args())
+    assert torch.equal(plain, attention.paged_attention(*tiny_batch.attention_args(),
+                                                        window=0, softcap=0.0))
+    assert_close_to_dense(plain, tiny_batch, 0, 0.0)
+
+
+def test_triton_refuses_a_bad_window_by_name(tiny_batch):
+    with pytest.raises(ValueError, match="window"):
+        attention.paged_attention(*tiny_batch.attention_args(), window=-3)
