@@ -10,16 +10,11 @@ commands (drain, resume, reconcile, recover, cancel, tenant set) are answered wi
 fault by hooks the daemon provides (they start and stop a supervised actor). Fault injection
 exists only when the daemon was configured for it. A number no daemon takes (a negative or
 NaN drain deadline, an infinite weight, an integer past 2**53) is `Rejected` naming its field.
-
-`Questions` is how anything outside the actors (the Control actor, the daemon's boot and
-drain, `/health`, the metrics and `STATUS=`) learns an actor's state: ask by message, wait
-for the `Reply`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -29,8 +24,9 @@ import trio
 import zmq
 
 from sluice.actors.runtime import messages as am
-from sluice.actors.runtime.base import Actor, Handler, Inbox, Outbox, Outboxes
+from sluice.actors.runtime.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.runtime.local_socket import bind_private
+from sluice.actors.runtime.questions import Questions
 from sluice.actors.runtime.reports import Endpoint, EndpointQuery
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
@@ -83,49 +79,6 @@ class ControlHooks:
     def fronts(self) -> list[Outbox]:
         """The front doors, each with live streams of its own."""
         return [front for front in (self.gateway, self.http) if front is not None]
-
-
-class Questions:
-    """Ask actors questions and wait for their `Reply`: one reply inbox, answers by token.
-
-    `take_replies` must run (in some nursery) for `ask` to get answers."""
-
-    def __init__(self, name: str):
-        self.replies = Inbox(name)
-        self._tokens = itertools.count(1)
-        self._answers: dict[int, list] = {}  # token -> [] until the answer is in it
-        self._answered: trio.Event | None = None
-
-    def _event(self) -> trio.Event:
-        if self._answered is None:
-            self._answered = trio.Event()
-        return self._answered
-
-    async def take_replies(self) -> None:
-        while True:
-            reply = await self.replies.get()
-            waiting = self._answers.get(reply.token)
-            if waiting is not None:  # else the question timed out, or predates a restart
-                waiting.append(reply.message)
-                self._event().set()
-                self._answered = trio.Event()
-
-    async def ask(self, actor: Outbox, question: Callable[[str, int], object],
-                  timeout: float = 10.0) -> object:
-        """Send `question(reply_address, token)` to an actor and wait for its answer."""
-        token = next(self._tokens)
-        answer = self._answers[token] = []
-        actor.put(question(self.replies.address, token))
-        try:
-            with trio.fail_after(timeout):
-                while not answer:
-                    await self._event().wait()
-        finally:
-            del self._answers[token]
-        return answer[0]
-
-    def close(self) -> None:
-        self.replies.close()
 
 
 class Control(Actor):

@@ -28,7 +28,8 @@ import trio
 
 from sluice.actors.runtime import messages as am
 from sluice.actors.runtime.base import Actor, Inbox, Outbox
-from sluice.actors.control import Control, ControlHooks, Questions
+from sluice.actors.control import Control, ControlHooks
+from sluice.actors.runtime.questions import Questions
 from sluice.actors.executor.actor import Executor
 from sluice.actors.executor.model_files import resolve_model_path
 from sluice.actors.executor.null import NullExecutor

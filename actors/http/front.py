@@ -52,7 +52,7 @@ import zmq
 from sluice.actors.runtime import messages as am
 from sluice.actors.http import openai_api as api
 from sluice.actors.runtime.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
-from sluice.actors.control import Questions
+from sluice.actors.runtime.questions import Questions
 from sluice.actors.http.exchange import (
     ClientGone, Exchange, Replies, deadline_send, header, send_error, send_json, send_text,
     server_log, watch_disconnect,
