@@ -1,7 +1,8 @@
 """The shape of the package, read from its source: no import cycles, and the layering
 docs/architecture.md describes (kernels import nothing of ours, the scheduler core no trio,
 sockets or model and of ours only the vocabulary it shares with the wire, `ipc/` no actor,
-daemon or console, the console only `ipc/`), small scheduler-core files and no mixins.
+daemon or console, the console only `ipc/`, no actor another actor's module), small
+scheduler-core files and no mixins.
 
 Imports are read with `ast`, never executed: the module-level ones and those under
 `if TYPE_CHECKING:` (a cycle hidden there is still a cycle in the design). Imports inside
@@ -276,3 +277,32 @@ def test_no_mixins() -> None:
             if len(own_bases) > 1:
                 problems.append(f"{name}.{node.name} has bases {own_bases}")
     assert problems == []
+
+
+# an actor may import the actor it starts and supervises: the Gateway a Stream per connection,
+# the HTTP front the Stream its requests go through
+SUPERVISES = {("sluice.actors.front.gateway", "sluice.actors.front.stream"),
+              ("sluice.actors.http.front", "sluice.actors.front.stream")}
+
+
+def _actor_modules() -> set[str]:
+    """Modules that define an actor: a class whose base is `Actor`."""
+    found = set()
+    for name, module in MODULES.items():
+        for node in ast.walk(ast.parse(module.path.read_text())):
+            if isinstance(node, ast.ClassDef) and "Actor" in map(_base_name, node.bases):
+                found.add(name)
+    return found
+
+
+def test_no_actor_imports_another_actor_s_module() -> None:
+    actors = _actor_modules()
+    assert {"sluice.actors.front.gateway", "sluice.actors.scheduler.actor",
+            "sluice.actors.text.actor", "sluice.actors.usage.actor"} <= actors
+    crossing = sorted(
+        f"{name} imports {other}"
+        for name in actors
+        for other in _ours(MODULES[name].imports) & actors
+        if other != name and (name, other) not in SUPERVISES
+    )
+    assert crossing == []
