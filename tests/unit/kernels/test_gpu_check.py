@@ -32,6 +32,10 @@ def test_every_section_runs_under_the_interpreter(tmp_path):
     bandwidth = report["bandwidth"]
     assert bandwidth["copy_bytes_per_s"] > 0
     assert all(r["bytes_per_s"] > 0 for r in bandwidth["results"])
+    window = report["window"]
+    assert window["failed"] == 0 and window["total"] == len(window["cases"]) > 0
+    assert {(c["window"], c["softcap"]) for c in window["cases"]} == {(17, 0.0), (33, 30.0)}
+    assert all(window["decode_time"][k] > 0 for k in ("full_ms", "window_ms"))
     engine = report["engine"]
     assert engine["attention"] == "triton"
     assert [d["batch"] for d in engine["decode"]] == [1, 2]
