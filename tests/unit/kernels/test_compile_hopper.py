@@ -40,10 +40,18 @@ COMPILE_ALL = textwrap.dedent("""
                   BLOCK_Q=4, TILE_N=32, NUM_SPLITS=8)
     mixed = dict(HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=32, QUERIES_PER_KV=3, BLOCK_M=64,
                  BLOCK_Q=21, TILE_N=32, NUM_SPLITS=1)
+    floats = ("scale_log2", "softcap_scale", "softcap_log2")
+    plain = dict(USE_WINDOW=False, USE_SOFTCAP=False)
     for dtype, shapes in (("bf16", (decode, mixed)), ("fp16", (decode,)), ("fp32", (mixed,))):
         for shape in shapes:
             build(attention._paged_attention_kernel, ATTENTION_POINTERS,
-                  dict(shape, DOT_IN_FP32=dtype == "fp32"), dtype, floats=("scale_log2",))
+                  dict(shape, DOT_IN_FP32=dtype == "fp32", **plain), dtype, floats=floats)
+    # a sliding window and a soft cap, together and each alone
+    for dtype, shape, switches in (("bf16", decode, (True, True)), ("bf16", mixed, (True, False)),
+                                   ("fp32", mixed, (False, True))):
+        build(attention._paged_attention_kernel, ATTENTION_POINTERS,
+              dict(shape, DOT_IN_FP32=dtype == "fp32", USE_WINDOW=switches[0],
+                   USE_SOFTCAP=switches[1]), dtype, floats=floats)
     build(attention._merge_splits_kernel, ATTENTION_POINTERS,
           dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=8, SPLITS_PAD=8), "bf16")
     build(cache._reshape_and_cache_kernel,
@@ -58,4 +66,4 @@ def test_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", COMPILE_ALL], capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 6
+    assert done.stdout.count("compiled") == 9

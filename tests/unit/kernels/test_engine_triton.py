@@ -24,9 +24,9 @@ def test_triton_attention_gives_the_same_greedy_tokens(make_engine, monkeypatch)
     calls = {"attention": 0, "cache": 0}
     for module, name, key in ((attention, "paged_attention", "attention"),
                               (cache, "reshape_and_cache", "cache")):
-        def counted(*args, _launch=getattr(module, name), _key=key):
+        def counted(*args, _launch=getattr(module, name), _key=key, **kwargs):
             calls[_key] += 1
-            return _launch(*args)
+            return _launch(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counted)
     triton_tokens = greedy_tokens(triton_engine)
