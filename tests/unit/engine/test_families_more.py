@@ -1,4 +1,4 @@
-"""Phi-3, Gemma 2 and Gemma 3 load as
+"""Phi-3, Gemma 2, Gemma 3 and the mixtures of experts (Mixtral, Qwen3-MoE) load as
 transformers runs them: tiny random-weight models that transformers writes, held to its own
 logits and to 24 greedy tokens of three prompts batched; what cannot load is refused with the
 file, the field and the value."""
@@ -103,6 +103,22 @@ def test_gemma3_local_and_global_layers_have_their_own_rope(tmp_path, smollm_tok
     assert_matches_transformers(reference, tmp_path, smollm_tokenizer)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_mixture_of_experts_matches_transformers(tmp_path, smollm_tokenizer, family):
+    if family == "mixtral":
+        reference = build("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
+                          num_experts_per_tok=2, rope_theta=5000.0)
+    else:  # layer 1 dense, unnormalised top-k weights, experts narrower than the dense MLP
+        reference = build("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                          norm_topk_prob=False, mlp_only_layers=[1], rope_theta=5000.0)
+    save(reference, tmp_path)
+    config = read_model_config(tmp_path)
+    assert (config.num_experts, config.num_experts_per_tok) == (4, 2)
+    assert [config.is_moe_layer(i) for i in range(2)] == [True, family == "mixtral"]
+    assert_matches_transformers(reference, tmp_path, smollm_tokenizer)
+
+
 def write_config(folder, **changes) -> None:
     raw = dict(model_type="gemma2", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
@@ -115,11 +131,15 @@ def write_config(folder, **changes) -> None:
                                            "long_factor": [2.0] * 8}),
      r"rope scaling type 'longrope' is not supported"),
     (dict(model_type="gemma3"), r"model_type 'gemma3' is not supported \(supported: .*phi3, "
-                                r"gemma2, gemma3_text\); give the text-only"),
+                                r"gemma2, gemma3_text, mixtral, qwen3_moe\); give the text-only"),
     (dict(hidden_activation="gelu"), r"hidden_activation 'gelu' is not supported"),
     (dict(model_type="llama", hidden_act="relu"), r"hidden_act 'relu' is not supported"),
     (dict(layer_types=["sliding_attention"]), r"layer_types must list 2 values"),
     (dict(final_logit_softcapping=-1.0), r"final_logit_softcapping is -1.0: it must be"),
+    (dict(model_type="mixtral", num_local_experts=2, num_experts_per_tok=3),
+     r"num_experts_per_tok 3 is more than the 2 experts"),
+    (dict(model_type="qwen3_moe", num_experts=0, num_experts_per_tok=1,
+          moe_intermediate_size=8), r"num_local_experts must be a positive integer, got 0"),
 ])
 def test_a_config_that_cannot_load_is_refused(tmp_path, changes, message):
     write_config(tmp_path, **changes)
