@@ -18,12 +18,16 @@ from collections.abc import Iterator
 from typing import IO
 
 QUESTION = "What is the capital of France?"
+CHAT_HINT = "chat with it:"  # how the daemon's own line after its ready line begins
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    # the log reaches the terminal through our pipe: keep it readable there
-    env = {**os.environ, "SLUICE_LOG_FORMAT": "console"} if sys.stderr.isatty() else None
+    # the log reaches a person through our pipe: readable lines, the daemon's and its
+    # worker's alike, unless the caller chose a format; coloured if we write to a terminal
+    env = {"SLUICE_LOG_FORMAT": "console", **os.environ}
+    if sys.stderr.isatty() and not os.environ.get("NO_COLOR"):
+        env.setdefault("FORCE_COLOR", "1")
     daemon = subprocess.Popen([sys.executable, "-m", "sluice.daemon.main", "serve", *args],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     log = _LogRelay(daemon.stderr)
@@ -36,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nthe daemon keeps serving on {address}; chat with it from another terminal:\n"
               f"  .venv/bin/sluice chat --connect {address}\n(Ctrl-C stops it)", flush=True)
         for line in daemon.stdout:  # keep relaying the daemon's own output
-            print(line, end="", flush=True)
+            if not line.startswith(CHAT_HINT):  # said above already, with the path to it
+                print(line, end="", flush=True)
         return _exit_code(daemon.wait())
     except KeyboardInterrupt:
         # a terminal's Ctrl-C reached the daemon too, which drains and stops: this stays

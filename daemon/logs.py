@@ -1,5 +1,7 @@
 """Logging for sluiced: structlog, JSON lines when stderr is not a TTY (journald), a
-readable console otherwise.
+readable console otherwise. The worker process, which shares the daemon's stderr and
+environment, chooses by the same rule (`log_format_is_json`), so a terminal shows one format.
+Durations are seconds, logged to the millisecond.
 
 Log lines carry request ids, tenants, token counts and timings, never prompt or output
 text: `drop_text` removes any field whose name says it holds text, so a careless call site
@@ -25,6 +27,30 @@ def drop_text(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]
     return event
 
 
+def round_floats(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """Floats in a log line are durations in seconds (or ratios): a millisecond is precision
+    enough, and `e2e=2.1831291079997754` is noise on a terminal."""
+    for name, value in event.items():
+        if type(value) is float:
+            event[name] = round(value, 3)
+    return event
+
+
+def log_format_is_json() -> bool:
+    """JSON unless stderr is a TTY, or whatever `SLUICE_LOG_FORMAT` (`console` or `json`)
+    says: a wrapper that relays the log to a terminal through a pipe says `console`."""
+    chosen = os.environ.get("SLUICE_LOG_FORMAT", "")
+    return chosen == "json" or (chosen != "console" and not sys.stderr.isatty())
+
+
+def log_colors() -> bool:
+    """Console lines are coloured on a TTY (unless `NO_COLOR`), or where `FORCE_COLOR` asks
+    (a wrapper relaying to a terminal): never escape codes in a file."""
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    return sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+
+
 class _StderrLogger:
     """Writes each line to `sys.stderr` as it is when the line is written, not as it was when
     logging was configured: whoever runs the CLI in-process (tests, embedding code) may swap
@@ -37,19 +63,17 @@ class _StderrLogger:
 
 
 def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
-    """Console logs on a TTY, JSON otherwise, unless `SLUICE_LOG_FORMAT` says `console` or
-    `json` (a wrapper that relays the log to a terminal through a pipe says `console`);
-    `level` is a logging level name."""
+    """Console logs on a TTY, JSON otherwise (`log_format_is_json`); `level` is a logging
+    level name."""
     if json is None:
-        chosen = os.environ.get("SLUICE_LOG_FORMAT", "")
-        json = chosen == "json" or (chosen != "console" and not sys.stderr.isatty())
+        json = log_format_is_json()
     processors: list[Any] = [structlog.contextvars.merge_contextvars,
                              structlog.processors.add_log_level,
-                             structlog.processors.TimeStamper("iso"), drop_text]
+                             structlog.processors.TimeStamper("iso"), drop_text, round_floats]
     if json:
         processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
-        processors.append(structlog.dev.ConsoleRenderer())
+        processors.append(structlog.dev.ConsoleRenderer(colors=log_colors()))
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(

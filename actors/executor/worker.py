@@ -182,15 +182,41 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _log_to_stderr() -> None:
     """The worker shares the daemon's stdout, whose first line is the daemon's ready line
-    (scripts and tests read it): its own log lines go to stderr, as JSON lines like the
-    daemon's under journald."""
+    (scripts and tests read it): its own log lines go to stderr, the daemon's too, in the
+    daemon's format by the daemon's rule (its stderr and environment are the daemon's):
+    JSON lines unless stderr is a TTY or `SLUICE_LOG_FORMAT` says `console` (or `json`),
+    coloured on a TTY or where `FORCE_COLOR` asks."""
     import structlog
 
+    chosen = os.environ.get("SLUICE_LOG_FORMAT", "")
+    as_json = chosen == "json" or (chosen != "console" and not sys.stderr.isatty())
+    colors = bool(os.environ.get("FORCE_COLOR")) or (sys.stderr.isatty()
+                                                     and not os.environ.get("NO_COLOR"))
+    renderer = (structlog.processors.JSONRenderer() if as_json
+                else structlog.dev.ConsoleRenderer(colors=colors))
     structlog.configure(
         processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper("iso"),
-                    structlog.processors.JSONRenderer()],
+                    renderer],
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
     )
+
+
+def model_label(spec: str | None) -> tuple[str, str]:
+    """What the loading line names: the model's file or folder name, and its weights' size
+    on disk ("92 MB"). A model that cannot be found is named as given (its load says why)."""
+    from sluice.actors.executor.model_files import resolve_model_path
+
+    try:
+        path = resolve_model_path(spec)
+        files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+        size = sum(file.stat().st_size for file in files)
+    except (OSError, ValueError):
+        return str(spec), "?"
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            break
+        size /= 1000
+    return path.name, f"{size:.3g} {unit}"
 
 
 PARENT_CHECK_SECONDS = 0.5
@@ -249,9 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     sizing = {name: value for name, value in (
         ("kv_memory_fraction", args.kv_memory_fraction), ("kv_max_bytes", args.kv_max_bytes),
         ("profile_tokens", args.profile_tokens)) if value is not None}
+    name, size = model_label(args.model)
+    log.info("loading model", model=name, size=size, device=args.device)
+    started = time.perf_counter()
     runner = ModelRunner(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device,
                          num_blocks=args.num_blocks, block_size=args.block_size,
                          max_model_len=args.max_model_len, **sizing)
+    log.info("model loaded", model=name, seconds=round(time.perf_counter() - started, 1))
     if (kv := runner.kv_sizing) is not None:
         log.info("kv pool sized", available_bytes=kv.available_bytes,
                  profile_peak_bytes=kv.profile_peak_bytes, kv_bytes=kv.kv_bytes,

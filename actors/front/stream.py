@@ -232,7 +232,7 @@ class Stream(Actor):
     # -- connection lifetime ------------------------------------------------------------------
 
     async def on_client_gone(self, msg: am.ClientGone) -> None:
-        self._close("unreachable")
+        self._close("disconnected")
 
     async def on_fail_all(self, msg: am.FailAll) -> None:
         self._fail_requests(msg.message)
@@ -295,8 +295,10 @@ class Stream(Actor):
             return
         self.closed = True
         rids = self._give_up(m.FinishReason.CANCELLED) if release else 0
-        log.info("client gone", connection=clip(self.connection.hex(), self.limits), why=why,
-                 released=rids)
+        # a client that disconnects with nothing in flight closed normally: no news
+        level = log.debug if why == "disconnected" and not rids else log.info
+        level("client gone", connection=clip(self.connection.hex(), self.limits), why=why,
+              released=rids)
         self.gateway.put(am.StreamClosed(self.connection))
 
     async def _timers(self) -> None:
