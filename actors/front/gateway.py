@@ -80,6 +80,9 @@ class Gateway(Actor):
         self.draining = False
         self.streams: dict[bytes, Stream] = {}
         self.owners: dict[bytes, str] = {}  # with CURVE: connection -> the key of its Stream
+        # connection -> the descriptor its stream's first frame came in on, for the listener,
+        # which closes connections that hold no stream for long (`idle_connection_seconds`)
+        self.descriptors: dict[bytes, int] = {}
         # kept across restarts, like the streams: the counters are the daemon's lifetime's
         self.peers = PeerBook(self.connection_cap)
         self.askers = Outboxes()  # who asked for the live connections (the control actor)
@@ -100,7 +103,10 @@ class Gateway(Actor):
         self.listener = ListenerGuard(
             self.socket, peers=self.peers, cap=self.connection_cap + max(1, spare // 8),
             inbound_connections=self.limits.inbound_connections(),
-            brake_margin=max(1, spare // 4), fd_reserve=max(1, spare // 2))
+            brake_margin=max(1, spare // 4), fd_reserve=max(1, spare // 2),
+            idle_seconds=self.limits.idle_connection_seconds)
+        for descriptor in self.descriptors.values():  # streams that outlived a crash
+            self.listener.held(descriptor)
         self.address = self.listener.bind(self.address or self.listen)
 
     def _limit_peers(self, router: zmq.Socket) -> None:
@@ -157,6 +163,7 @@ class Gateway(Actor):
             nursery.start_soon(self._authenticate)
         nursery.start_soon(self._receive_loop)
         nursery.start_soon(self.listener.run)
+        nursery.start_soon(self.listener.sweep)
 
     async def _authenticate(self) -> None:
         """ZAP: answer 200 with the key as user id for a listed CURVE key, else 400."""
@@ -211,6 +218,9 @@ class Gateway(Actor):
     async def on_stream_closed(self, msg: am.StreamClosed) -> None:
         stream = self.streams.pop(msg.connection, None)
         self.owners.pop(msg.connection, None)
+        descriptor = self.descriptors.pop(msg.connection, None)
+        if descriptor is not None:
+            self.listener.released(descriptor)
         if stream is not None:
             # from now on the connection's frames open a fresh stream; the closed one refuses
             # what was routed to it before this answer, then ends
@@ -267,10 +277,7 @@ class Gateway(Actor):
                 # nothing queued: the frames of peers that are gone have all been read
                 self.listener.read_empty()
                 self.peers.clear_gone()
-                if self.curve_secret_key is None:
-                    queued = await self.socket.recv_multipart(), None
-                else:
-                    queued = await self.socket.recv_with_user()
+                queued = await self.socket.recv_from()
             else:  # a turn of the loop per run of frames, as when it waits; taken, so shielded
                 await trio.lowlevel.cancel_shielded_checkpoint()
             await self._take_safely(*queued)
@@ -284,16 +291,14 @@ class Gateway(Actor):
                     break
                 await self._take_safely(*queued)
 
-    def _queued(self) -> tuple[list[bytes], str | None] | None:
-        """A client frame already on the socket, with its user id (None without CURVE)."""
-        if self.curve_secret_key is not None:
-            return self.socket.recv_with_user_nowait()
-        frames = self.socket.recv_multipart_nowait()
-        return None if frames is None else (frames, None)
+    def _queued(self) -> tuple[list[bytes], str | None, int] | None:
+        """A client frame already on the socket, with its user id (None without CURVE) and
+        the descriptor of its connection."""
+        return self.socket.recv_from_nowait()
 
-    async def _take_safely(self, frames: list[bytes], key: str | None) -> None:
+    async def _take_safely(self, frames: list[bytes], key: str | None, descriptor: int) -> None:
         try:
-            await self._take(frames[0], frames[1:], key)
+            await self._take(frames[0], frames[1:], key, descriptor)
         except zmq.ZMQError as exc:
             if exc.errno not in RESOURCE_ERRNOS:
                 raise
@@ -301,7 +306,8 @@ class Gateway(Actor):
                       error=exc.strerror)
             self.peers.dropped_frames += 1
 
-    async def _take(self, identity: bytes, parts: list[bytes], key: str | None) -> None:
+    async def _take(self, identity: bytes, parts: list[bytes], key: str | None,
+                    descriptor: int = -1) -> None:
         """Handle one client message: answer it here, or route it to the connection's stream."""
         if self.peers.is_gone(identity):  # queued before it left: nobody to answer
             self.peers.dropped_frames += 1
@@ -346,6 +352,9 @@ class Gateway(Actor):
             stream = await self._open_stream(identity, msg, key)
             if stream is None:
                 return
+            if descriptor >= 0:
+                self.descriptors[identity] = descriptor
+                self.listener.held(descriptor)
         stream.inbox.put(msg)
 
     async def _take_forgotten(self, identity: bytes) -> None:

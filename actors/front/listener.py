@@ -1,8 +1,11 @@
 """The client listener's connections: counted, and kept inside the descriptor and inbound budgets.
 
 The gateway watches its ROUTER's monitor events to count live connections; one accepted past
-a budget is shed at once, and only when shedding falls behind near the fd limit is the listener
-unbound and bound again, as a last resort. See docs/architecture.md, "The client edge".
+a budget makes room by closing the connection idle longest (one that holds no stream), else is
+shed itself, and only when shedding falls behind near the fd limit is the listener unbound and
+bound again, as a last resort. A connection that holds no stream for `idle_seconds` is closed
+(a ZeroMQ client connects again by itself when it has something to send). See
+docs/architecture.md, "The client edge".
 
 What does not belong here: frames and peers by routing id (`gateway`, `peers`).
 """
@@ -39,7 +42,7 @@ _monitors = itertools.count()
 
 class ListenerGuard:
     def __init__(self, router: Socket, *, peers: PeerBook, cap: int, inbound_connections: int,
-                 brake_margin: int, fd_reserve: int):
+                 brake_margin: int, fd_reserve: int, idle_seconds: float = 30.0):
         self.router = router
         self.peers = peers  # where connections shed are counted as refused
         self.cap = cap  # live connections, at most
@@ -50,6 +53,11 @@ class ListenerGuard:
         self.live = 0  # accepted and not yet disconnected
         self.gone_unread = 0  # disconnected since the gateway last read its socket empty
         self.brakes = 0  # times the listener was unbound
+        self.idle_closed = 0  # connections closed for holding no stream
+        self.idle_seconds = idle_seconds
+        # connections that hold no stream, oldest first: descriptor -> since when (monotonic)
+        self._idle: dict[int, float] = {}
+        self._held: set[int] = set()  # connections whose frames opened a stream
         self.address: str | None = None
         self._local: object = None  # what getsockname says for a connection of ours
         self._braked = False
@@ -92,19 +100,61 @@ class ListenerGuard:
     def _on_event(self, event: int, value: int) -> None:
         if event == zmq.EVENT_ACCEPTED:
             self.live += 1
+            self._held.discard(value)  # a descriptor reused: whatever it was is gone
+            self._idle.pop(value, None)
+            self._idle[value] = time.monotonic()
             if self.live > self.cap or self.live + self.gone_unread > self.inbound_connections:
-                self._shed(value)
+                self._make_room(value)
             if (self.live > self.cap + self.brake_margin and not self._braked
                     and self._near_fd_limit()):
                 self._brake()
         elif event == zmq.EVENT_DISCONNECTED:
             self.live = max(0, self.live - 1)
             self.gone_unread += 1
+            self._idle.pop(value, None)
+            self._held.discard(value)
         elif event == zmq.EVENT_LISTENING:
             self._local = _local_name(value)
         elif event == zmq.EVENT_CLOSED:
             # the listener closed and its connections with it, without an event each
             self._local, self.live = None, 0
+            self._idle.clear()
+            self._held.clear()
+
+    def held(self, fd: int) -> None:
+        """The connection on `fd` opened a stream: it is a client's, not idle."""
+        if self._idle.pop(fd, None) is not None:
+            self._held.add(fd)
+
+    def released(self, fd: int) -> None:
+        """The stream of the connection on `fd` closed: idle from now."""
+        if fd in self._held:
+            self._held.discard(fd)
+            self._idle[fd] = time.monotonic()
+
+    async def sweep(self) -> None:
+        """Close connections that held no stream for `idle_seconds`: a stranger's idle
+        connections cannot keep the cap full for good."""
+        while True:
+            await trio.sleep(max(0.05, self.idle_seconds / 4))
+            deadline = time.monotonic() - self.idle_seconds
+            for fd, since in list(self._idle.items()):
+                if since > deadline:
+                    break  # oldest first: the rest are younger
+                del self._idle[fd]
+                self._shed(fd, refused=False)
+                self.idle_closed += 1
+
+    def _make_room(self, new: int) -> None:
+        """Over a budget: close the connection idle longest, if any other is idle, else the
+        new one."""
+        oldest = next((fd for fd in self._idle if fd != new), None)
+        if oldest is None:
+            self._idle.pop(new, None)
+            self._shed(new)
+            return
+        del self._idle[oldest]
+        self._shed(oldest)  # a connection turned away all the same, the stranger's
 
     def _near_fd_limit(self) -> bool:
         """Whether the process's descriptors in use are within `fd_reserve` of its limit,
@@ -122,9 +172,10 @@ class ListenerGuard:
         self._fds_counted = (self.live, now, near)
         return near
 
-    def _shed(self, fd: int) -> None:
-        """Shut the new connection down (libzmq then closes it): only if the descriptor still
-        is a connection of this listener, since it may have been closed and reused since."""
+    def _shed(self, fd: int, refused: bool = True) -> None:
+        """Shut a connection down (libzmq then closes it): only if the descriptor still is a
+        connection of this listener, since it may have been closed and reused since. A new
+        connection shed is counted as refused."""
         try:
             conn = pysocket.socket(fileno=fd)
         except OSError:
@@ -132,7 +183,8 @@ class ListenerGuard:
         try:
             if self._local is not None and _same_listener(conn.getsockname(), self._local):
                 conn.shutdown(pysocket.SHUT_RDWR)
-                self.peers.refused_connections += 1
+                if refused:
+                    self.peers.refused_connections += 1
         except OSError:
             pass
         finally:
