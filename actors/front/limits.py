@@ -35,6 +35,13 @@ class Limits:
     max_messages: int = 1024  # chat messages in one request
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
+    max_logit_bias: int = 300  # entries of one request's logit_bias
+    # bytes of one request's grammar (a JSON schema's text, a regex, the choices, a grammar)
+    max_grammar_bytes: int = 64 * 1024
+    # milliseconds a front may spend checking a grammar it has not seen: past it, a 400
+    max_grammar_compile_ms: int = 2000
+    max_cached_grammars: int = 256  # grammars a front (and the worker) keeps built
+    max_n: int = 8  # choices of one request
     max_request_id_chars: int = 128
     max_tenant_chars: int = 64
     # larger grants are clamped to this. Within it a client that reads nothing still gets that
@@ -54,6 +61,10 @@ class Limits:
     # client frames queued in the whole front at most: live connections and those gone whose
     # frames are still queued count `peer_recv_hwm` each; past it new connections are shed
     max_inbound_frames: int = 1 << 20
+    # seconds a client connection may stay open without a stream (no request, or its stream
+    # ended): past it the listener closes it; at the connection cap the one idle longest is
+    # closed first to make room for a newcomer
+    idle_connection_seconds: int = 30
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
