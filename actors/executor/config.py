@@ -54,9 +54,8 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before rotary
     rope_scaling: RopeScaling | None = None
-    # tokens a query attends back over (Mistral v0.1, Qwen with use_sliding_window, Gemma's
-    # local layers): the served context is held within it, where full attention is what the
-    # window computes
+    # keys a query attends back over, itself included (Mistral v0.1, Qwen with
+    # use_sliding_window, Gemma's local layers)
     sliding_window: int | None = None
     # per layer, "sliding_attention" or "full_attention" (Gemma 2/3); empty: every layer
     # slides when sliding_window is set
@@ -92,10 +91,9 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        """The longest sequence this forward computes as the model was trained to."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        """The longest sequence this forward computes as the model was trained to (a sliding
+        window is applied by the attention kernel, whatever the length)."""
+        return self.max_position_embeddings
 
     def flops_per_token(self) -> float:
         """Matmul FLOPs of one token's forward, lm_head included (attention scores excluded):

@@ -15,7 +15,6 @@ reference implementation's expressions, so float32 output matches it exactly.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +38,7 @@ class AttentionInputs:
 
 class _Layer:
     __slots__ = ("input_norm", "qkv", "qkv_bias", "qk_norm", "o_proj", "attn_out_norm",
-                 "post_norm", "gate_up", "down", "moe", "mlp_out_norm", "rotary",
-                 "attention_options")
-
-
-def _kernel_takes(name: str) -> bool:
-    return name in inspect.signature(kernels.paged_attention).parameters
+                 "post_norm", "gate_up", "down", "moe", "mlp_out_norm", "rotary", "window")
 
 
 class LlamaModel:
@@ -67,10 +61,6 @@ class LlamaModel:
                 return (1.0 + weights[name].to(device=self.device, dtype=torch.float32))
             return take(name)
 
-        if config.attn_softcap and not _kernel_takes("softcap"):
-            raise ValueError("attention soft-capping (attn_logit_softcapping "
-                             f"{config.attn_softcap}) is not supported by this build's "
-                             "attention kernels")
         self.activation = _ACTIVATIONS[config.hidden_act]
         self.embed = take("embed")
         self.final_norm = take_norm("final_norm")
@@ -83,8 +73,6 @@ class LlamaModel:
             self.rotary_tables.append(rotary_tables(
                 config.head_dim, config.local_rope_theta, config.max_position_embeddings, None,
                 self.device))
-        # a window the kernel cannot apply is never needed: the context is held within it
-        windows = _kernel_takes("window")
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             prefix = f"layers.{i}."
@@ -121,13 +109,8 @@ class LlamaModel:
             else:
                 layer.gate_up = torch.cat([take(prefix + "gate_proj"), take(prefix + "up_proj")])
                 layer.down = take(prefix + "down_proj")
-            window = config.layer_window(i)
-            layer.rotary = 1 if window and config.local_rope_theta is not None else 0
-            layer.attention_options = {}
-            if window and windows:
-                layer.attention_options["window"] = window
-            if config.attn_softcap:
-                layer.attention_options["softcap"] = config.attn_softcap
+            layer.window = config.layer_window(i)  # 0: full attention
+            layer.rotary = 1 if layer.window and config.local_rope_theta is not None else 0
             self.layers.append(layer)
         self.scale = (config.attention_scale if config.attention_scale is not None
                       else config.head_dim ** -0.5)
@@ -194,7 +177,8 @@ class LlamaModel:
             kernels.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
             attended = kernels.paged_attention(
                 q.contiguous(), key_cache, value_cache, attn.block_tables,
-                attn.query_start_loc, attn.seq_lens, self.scale, **layer.attention_options,
+                attn.query_start_loc, attn.seq_lens, self.scale, window=layer.window,
+                softcap=cfg.attn_softcap,
             )
             attended = attended.view(-1, q_size)
             hidden = F.linear(F.pad(attended, (0, 0, 0, pad)) if pad else attended,
