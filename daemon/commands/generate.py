@@ -1,21 +1,26 @@
-"""`sluice generate`: one request, either in this process (`--offline`) or from a daemon
-(`--connect ADDR`, handled by `remote.py`). Both print the same text or `--json` object."""
+"""`sluice generate`: one request, from a daemon (the local one at `DEFAULT_CONNECT`, as
+`chat` and `bench` use, or `--connect ADDR`; handled by `remote.py`) or in this process
+(`--offline`, which says on stderr that it loads the model, and when it is done). Both print
+the same text or `--json` object."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 
 # the names only, kept here so the CLI's --help does not import torch
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_CONNECT = "tcp://127.0.0.1:7340"  # where `sluiced serve` listens by default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    where = parser.add_mutually_exclusive_group(required=True)
+    where = parser.add_mutually_exclusive_group()
     where.add_argument("--offline", action="store_true",
                        help="load the model in this process instead of asking a daemon")
-    where.add_argument("--connect", metavar="ADDR", help="daemon address, e.g. tcp://127.0.0.1:7340")
+    where.add_argument("--connect", metavar="ADDR", default=None,
+                       help=f"daemon address (default: the local daemon, {DEFAULT_CONNECT})")
     parser.add_argument("--model", default=None,
                         help="GGUF file or Hugging Face folder (offline; default: embedded model)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
@@ -71,18 +76,24 @@ def print_result(args, text: str, token_ids: list[int], finish_reason: str, usag
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.connect:
+    if not args.offline:
         from sluice.daemon.commands import remote
 
         return remote.run(args)
     from sluice.actors.engine import Engine
+    from sluice.actors.executor.worker import model_label
     from sluice.actors.executor.model_files import ModelLoadError
     from sluice.actors.scheduler.errors import AdmissionError
     from sluice.actors.scheduler.plan import InvalidParams
 
     try:
         sampling = sampling_from_args(args)
+        name, size = model_label(args.model)
+        print(f"loading model {name} ({size}) ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         engine = Engine(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
+        print(f"model loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr,
+              flush=True)
         if args.chat is not None:
             prompt = {"messages": [{"role": "user", "content": args.chat}]}
         elif args.prompt_ids is not None:

@@ -1,13 +1,21 @@
-"""`sluice generate --connect ADDR`: the same request and output as the offline form, served
-by a running daemon. Text streams to stdout as it arrives; `--json` prints one object at the
-end. The flags are defined by `generate.py`."""
+"""`sluice generate [--connect ADDR]`: the same request and output as the offline form, served
+by a running daemon (by default the local one). Text streams to stdout as it arrives; `--json`
+prints one object at the end. The flags are defined by `generate.py`.
+
+Where nothing listens at the address (a refused TCP connection, a missing ipc:// socket
+file), it says so at once, naming the address, instead of waiting for an answer that cannot
+come; ZeroMQ itself would only retry quietly."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 
-from sluice.daemon.commands.generate import parse_prompt_ids, print_result
+from sluice.daemon.commands.generate import DEFAULT_CONNECT, parse_prompt_ids, print_result
+
+PROBE_SECONDS = 2.0
 
 
 def request_kwargs(args: argparse.Namespace) -> dict:
@@ -24,13 +32,38 @@ def request_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def nothing_listens(address: str) -> str | None:
+    """Why no daemon can be listening at `address`, or None where one may be."""
+    if address.startswith("ipc://"):
+        path = address.removeprefix("ipc://")
+        return None if os.path.exists(path) else f"no socket file {path}"
+    if not address.startswith("tcp://"):
+        return None
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_SECONDS):
+            return None
+    except ValueError:
+        return None  # the client names a malformed address better
+    except ConnectionRefusedError:
+        return "connection refused"
+    except OSError:
+        return None  # unreachable for now, or slow: the client waits and says so
+
+
 def run(args: argparse.Namespace) -> int:
     from sluice.ipc.client import Client
     from sluice.ipc.errors import SluiceError
 
+    address = args.connect or DEFAULT_CONNECT
+    if (why := nothing_listens(address)) is not None:
+        print(f"sluice generate: no daemon at {address} ({why}); start one with "
+              "`sluiced serve`, or run the model in this process with --offline",
+              file=sys.stderr)
+        return 2
     try:
         kwargs = request_kwargs(args)
-        with Client(args.connect) as client:
+        with Client(address) as client:
             generation = client.generate(**kwargs)
             for chunk in generation:
                 if not args.json:
