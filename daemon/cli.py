@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
+from sluice.daemon import version
 from sluice.daemon.logs import configure_logging
 
 # name -> (module, one-line help)
@@ -30,8 +32,35 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+SAID = re.compile(r"\(default\b|default:|%\(default\)")  # a help that gives its default
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every option's --help line ends with its default, unless the help already says it or
+    the default is to have none; subcommands' options included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                show_defaults(child)
+            continue
+        help_text = action.help
+        default = action.default
+        if (not action.option_strings or help_text == argparse.SUPPRESS
+                or default is argparse.SUPPRESS or SAID.search(help_text or "")
+                or default is None or default is False or default == []):
+            continue  # no default worth saying ("none", "off") or said already
+        action.help = f"{help_text} (default: %(default)s)" if help_text else "(default: %(default)s)"
+    return parser
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {version() or '(not installed)'}")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="sluice client and tools")
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
@@ -44,7 +73,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                 continue  # a subcommand not built yet stays listed but inert
             module.add_arguments(sub_parser)
             sub_parser.set_defaults(_module=module)
-    return parser
+    return show_defaults(parser)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,10 @@ EXIT_CONFIG = 78  # EX_CONFIG
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sluice.daemon.cli import add_version, show_defaults
+
     parser = argparse.ArgumentParser(prog="sluiced", description="the sluice inference daemon")
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser("serve", help="serve a model")
     serve.add_argument("--config", help="TOML config file")
@@ -66,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve Prometheus /metrics and /health on this port (0: any free)")
     serve.add_argument("--usage-log", metavar="FILE",
                        help="append one JSON line per ended request here (reopened on SIGHUP)")
-    return parser
+    return show_defaults(parser)
 
 
 def _overrides(args: argparse.Namespace) -> dict:

@@ -49,7 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="Write a short story about a lighthouse keeper.")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="every request generates --max-tokens tokens, so that the report "
+                             "measures decoding (a small model may end the default prompt "
+                             "after a token or two); --no-ignore-eos stops at the model's end")
     parser.add_argument("--tenants", default=None, help="weights, e.g. a:2,b:1")
     parser.add_argument("--connections", type=int, default=8, help="client connections to use")
     parser.add_argument("--credit-window", type=int, default=64)

@@ -1,6 +1,7 @@
 """What a newcomer meets in the first commands: `sluice generate` asks the local daemon unless
 told `--offline` (and says at once, naming the address, when no daemon runs there); the
-offline form says it loads the model, and when it is done."""
+offline form says it loads the model, and when it is done; `sluice bench`'s default load
+generates its full length; `--help` gives defaults; `--version` gives the version."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 
 import pytest
 
+from sluice.daemon import version
+from sluice.daemon.cli import build_parser
 from sluice.daemon.commands.generate import DEFAULT_CONNECT
 
 pytestmark = pytest.mark.timeout(300)
@@ -73,3 +76,26 @@ def test_offline_generate_says_it_loads_the_model_and_when_it_is_done(tiny_model
     done = [line for line in lines if line.startswith("model loaded in")]
     assert done and lines.index(done[0]) > lines.index(loading[0]), lines
     assert '"token_ids"' in result.stdout  # the answer alone on stdout
+
+
+def test_bench_generates_its_full_length_unless_told_otherwise() -> None:
+    parser = build_parser("bench")
+    assert parser.parse_args(["bench"]).ignore_eos is True
+    assert parser.parse_args(["bench", "--no-ignore-eos"]).ignore_eos is False
+    assert "--no-ignore-eos" in sluice("bench", "--help").stdout
+
+
+def test_help_gives_the_defaults() -> None:
+    text = " ".join(sluice("generate", "--help").stdout.split())
+    assert "--max-tokens MAX_TOKENS (default: 128)" in text
+    assert "--temperature TEMPERATURE (default: 0.0)" in text
+    assert DEFAULT_CONNECT in text
+
+
+@pytest.mark.parametrize("module, prog", [("sluice.daemon.cli", "sluice"),
+                                          ("sluice.daemon.main", "sluiced")])
+def test_version_prints_the_package_version(module, prog) -> None:
+    result = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{prog} {version()}" and version()
