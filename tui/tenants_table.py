@@ -6,7 +6,7 @@ from __future__ import annotations
 from textual.widgets import DataTable
 
 from sluice.ipc import messages as m
-from sluice.tui.operator import limits_text
+from sluice.tui.limits import limits_text
 
 COLUMNS = ("tenant", "weight", "share", "running", "queued", "tokens", "preemptions", "limits")
 

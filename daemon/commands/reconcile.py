@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from sluice.tui.operator import add_common_arguments, run_command
+from sluice.daemon.commands.operator import add_common_arguments, run_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,8 @@ import argparse
 import json
 import sys
 
-from sluice.tui.operator import add_common_arguments, control_address, limits_text, run_command
+from sluice.daemon.commands.operator import add_common_arguments, control_address, run_command
+from sluice.tui.limits import limits_text
 
 _LIMITS = {"max_running": int, "max_queued": int, "max_context": int, "max_new_tokens": int,
            "input_tokens_per_minute": int, "output_tokens_per_minute": int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from sluice.tui.operator import add_common_arguments, control_address
+from sluice.daemon.commands.operator import add_common_arguments, control_address
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,8 +1,8 @@
 """What every operator subcommand shares: the flags, sending one command, printing the reply.
 
-`sluice drain|resume|reconcile|recover|cancel|tenants` are thin modules over these helpers,
-so scripts and the console (`sluice top`) speak the same control-socket messages. Imports
-only `sluice.ipc`.
+`sluice drain|resume|reconcile|recover|cancel|tenants|top` are thin modules over these
+helpers; the console (`sluice top`) sends the same control-socket messages itself. Imports
+only `sluice.ipc`, so these commands start without the daemon's modules.
 """
 
 from __future__ import annotations
@@ -60,21 +60,3 @@ def run_command(args: argparse.Namespace, command: object) -> int:
         for finding in reply.findings:
             print(f"  - {finding}")
     return EXIT_OK if reply.ok else EXIT_REFUSED
-
-
-_SHORT = {"input_tokens_per_minute": "in/min", "output_tokens_per_minute": "out/min"}
-
-
-def limits_text(tenant: m.TenantRow) -> str:
-    """The limits a tenant has, each bucket with what it holds now: `out/min=6000(4200)`."""
-    available = {"input_tokens_per_minute": tenant.input_tokens_available,
-                 "output_tokens_per_minute": tenant.output_tokens_available}
-    shown = []
-    for name, value in vars(tenant.limits).items():
-        if value is None:
-            continue
-        text = f"{_SHORT.get(name, name)}={value:g}"
-        if available.get(name) is not None:
-            text += f"({available[name]:.0f})"
-        shown.append(text)
-    return " ".join(shown) or "-"
