@@ -171,6 +171,7 @@ class Daemon:
                                    heartbeat_interval=cfg.stream.heartbeat_interval,
                                    heartbeat_timeout=cfg.stream.heartbeat_timeout,
                                    inbox=gateway_inbox, backlog_to=scheduler_inbox,
+                                   usage=usage_inbox,
                                    curve_secret_key=cfg.auth.server_secret_key,
                                    tenant_keys={key: tenant
                                                 for tenant, keys in cfg.auth.tenants.items()

@@ -59,8 +59,11 @@ class Gateway(Actor):
         tenant_keys: dict[str, str] | None = None,
         keyed_tenants: frozenset[str] = frozenset(),
         backlog_to: Outbox | None = None,
+        usage: Outbox | None = None,
     ):
         super().__init__(inbox=inbox)
+        self.usage = usage  # told the codes of the rejections sent here, for the metrics
+        self.rejected: list[m.RejectCode] = []  # sent and not yet told
         self.backlog_to = backlog_to  # the Scheduler, told how far this actor is behind
         self.backlog = BacklogGauge(self.name)
         self.curve_secret_key = curve_secret_key  # Z85; None: no authentication
@@ -192,8 +195,9 @@ class Gateway(Actor):
         except PeerGone as exc:
             self._lost(msg.connection, exc)
 
-    async def _reply(self, identity: bytes, msg: Any) -> bool:
-        """Answer one client frame; False (and the frame counted as dropped) if it cannot."""
+    async def _reply(self, identity: bytes, msg: Any, *, probe: bool = False) -> bool:
+        """Answer one client frame; False (and the frame counted as dropped) if it cannot. A
+        `Rejected` sent counts as a refused request, unless it is a probe."""
         try:
             await self.socket.send_multipart([identity, self.codec.encode(msg)])
         except PeerGone as exc:
@@ -202,6 +206,8 @@ class Gateway(Actor):
                 self.peers.gone(identity)
             self._lost(identity, exc)
             return False
+        if isinstance(msg, m.Rejected) and not probe:
+            self.rejected.append(msg.code)
         return True
 
     def _lost(self, identity: bytes, exc: PeerGone) -> None:
@@ -290,6 +296,14 @@ class Gateway(Actor):
                 if queued is None:
                     break
                 await self._take_safely(*queued)
+            self._report_rejected()
+
+    def _report_rejected(self) -> None:
+        """Tell the Usage actor what was refused here, once per run of frames."""
+        if self.rejected:
+            rejected, self.rejected = tuple(self.rejected), []
+            if self.usage is not None:
+                self.usage.put(am.Ended((), rejected))
 
     def _queued(self) -> tuple[list[bytes], str | None, int] | None:
         """A client frame already on the socket, with its user id (None without CURVE) and
@@ -363,7 +377,7 @@ class Gateway(Actor):
             self.peers.dropped_frames += 1
             return
         if await self._reply(identity, m.Rejected("", m.RejectCode.OVERLOADED, _FORGOTTEN,
-                                                  "connection")):
+                                                  "connection"), probe=True):
             self.peers.remember(identity)  # it took a frame again: it reads, or reconnected
             log.info("client remembered", connection=self._shown(identity))
 

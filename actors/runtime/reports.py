@@ -161,6 +161,6 @@ class TenantUsageTotals:
 @dataclass(frozen=True)
 class UsageSnapshot:
     tenants: tuple[TenantUsageTotals, ...]
-    rejected: tuple[tuple[str, int], ...]  # (reject code, count), as the streams sent them
+    rejected: tuple[tuple[str, int], ...]  # (reject code, count), as the streams and the gateway sent them
     histograms: tuple[Histogram, ...]  # request timings: ttft, queue, prefill, tpot, e2e
     records: int = 0  # usage records taken since the daemon started

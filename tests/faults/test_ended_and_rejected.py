@@ -1,5 +1,6 @@
 """What docs/operations.md promises about ended and refused requests: `/metrics` counts them by
-reason and by code, and a client that vanished mid-request still gets a usage record."""
+reason and by code — refused by a Stream or already at the gateway (a frame that does not
+decode) — and a client that vanished mid-request still gets a usage record."""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ async def test_ended_and_rejected_counters_and_a_vanished_clients_usage_record(
             assert invalid.value.field == "sampling.stop"
             with pytest.raises(TooLongError):  # over the model's context
                 await client.generate(prompt_ids=[5] * 100)
+            with RawPeer(handle.listen) as garbler:  # refused by the gateway, not a Stream
+                await garbler.socket.send(b"\x92\x00not a message")
+                refused = await garbler.receive()
+                assert isinstance(refused, m.Rejected) and refused.code == m.RejectCode.INVALID
             # a client that vanishes with a request running: no Cancel, it just stops
             with RawPeer(handle.listen) as ghost:
                 await ghost.send(m.Generate("ghost", prompt="hi", credits=1,
@@ -53,7 +58,7 @@ async def test_ended_and_rejected_counters_and_a_vanished_clients_usage_record(
     values = samples(text)
     assert values[("sluice_requests_ended_total", (("reason", "length"),))] == 2
     assert values[("sluice_requests_ended_total", (("reason", "cancelled"),))] == 2
-    assert values[("sluice_requests_rejected_total", (("code", "invalid"),))] == 1
+    assert values[("sluice_requests_rejected_total", (("code", "invalid"),))] == 2
     assert values[("sluice_requests_rejected_total", (("code", "too_long"),))] == 1
 
 
