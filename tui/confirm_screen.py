@@ -11,8 +11,9 @@ from textual.widgets import Button, Label
 class ConfirmScreen(ModalScreen[bool]):
     DEFAULT_CSS = """
     ConfirmScreen { align: center middle; }
-    ConfirmScreen > Vertical { width: 60; height: auto; border: thick $warning; padding: 1 2;
-                               background: $surface; }
+    ConfirmScreen > Vertical { width: 60; max-width: 100%; height: auto;
+                               border: thick $warning; padding: 1 2; background: $surface; }
+    ConfirmScreen #question { width: 100%; }  /* a long question wraps, never cut off */
     ConfirmScreen Horizontal { height: auto; margin-top: 1; }
     ConfirmScreen Button { margin-right: 2; }
     """
