@@ -145,7 +145,9 @@ struct Scratch {
   }
 };
 
-template <typename scalar_t>
+// kWindowOrCap: compiled with the window and soft-cap code; without it the item runs exactly
+// the unwindowed, uncapped loop (its speed is not to pay for options it does not use)
+template <typename scalar_t, bool kWindowOrCap>
 void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
                  const scalar_t* key_cache, const scalar_t* value_cache, const int32_t* tables,
                  const int32_t* query_start, const int32_t* seq_lens, float scale,
@@ -172,13 +174,16 @@ void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
   const int64_t num_keys = last_pos + 1;  // the tile's last token sees keys [0, last_pos]
   // and its first token, the earliest row, sees none before its window
   const int64_t lowest_key =
-      window > 0 ? std::max<int64_t>(0, first_pos + item.first_token - window + 1) : 0;
+      kWindowOrCap && window > 0
+          ? std::max<int64_t>(0, first_pos + item.first_token - window + 1)
+          : 0;
   const int32_t* table = tables + item.seq * l.table_width;
   const int64_t token_stride = l.kv_heads * D;  // between two keys of one block and head
   for (int64_t first_key = lowest_key / B * B; first_key < num_keys; first_key += B) {
     const int64_t block = table[first_key / B];
     const int64_t keys_here = std::min(B, num_keys - first_key);
-    const int64_t first_needed = std::max<int64_t>(0, lowest_key - first_key);  // in the block
+    const int64_t first_needed =  // in the block
+        kWindowOrCap ? std::max<int64_t>(0, lowest_key - first_key) : 0;
     const int64_t base = (block * B * l.kv_heads + item.kv_head) * D;
     const float* keys;
     const float* values;
@@ -208,7 +213,8 @@ void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
       const int64_t pos = first_pos + item.first_token + r / l.group;
       const int64_t end = std::min(keys_here, pos - first_key + 1);
       // the row sees keys [begin, end) of this block: from its window's first key on
-      const int64_t begin = window > 0 ? std::max<int64_t>(0, pos - window + 1 - first_key) : 0;
+      const int64_t begin =
+          kWindowOrCap && window > 0 ? std::max<int64_t>(0, pos - window + 1 - first_key) : 0;
       const int64_t visible = end - begin;
       if (visible <= 0) continue;  // the whole block lies after the row's token, or before
       const float* q = s.query.data() + r * D;
@@ -219,7 +225,7 @@ void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
       } else {
         for (int64_t j = 0; j < visible; ++j) scores[j] = dot(q, keys + (begin + j) * stride, D);
       }
-      if (softcap > 0.0f) soft_cap(scores, visible, softcap);
+      if (kWindowOrCap && softcap > 0.0f) soft_cap(scores, visible, softcap);
       const float block_max = *std::max_element(scores, scores + visible);
       const float new_max = std::max(s.row_max[r], block_max);
       const float keep = std::exp(s.row_max[r] - new_max);  // exp(-inf) = 0 on the first block
@@ -307,13 +313,19 @@ void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Ten
     const scalar_t* k = key_cache.data_ptr<scalar_t>();
     const scalar_t* v = value_cache.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
+    const bool window_or_cap = window > 0 || softcap > 0.0;
     at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch;
       for (int64_t w = begin; w < end; ++w) {
         for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
-          attend_item<scalar_t>(items[i], layout, q, k, v, tables, starts, lengths,
-                                static_cast<float>(scale), window,
-                                static_cast<float>(softcap), o, scratch);
+          if (window_or_cap) {
+            attend_item<scalar_t, true>(items[i], layout, q, k, v, tables, starts, lengths,
+                                        static_cast<float>(scale), window,
+                                        static_cast<float>(softcap), o, scratch);
+          } else {
+            attend_item<scalar_t, false>(items[i], layout, q, k, v, tables, starts, lengths,
+                                         static_cast<float>(scale), 0, 0.0f, o, scratch);
+          }
         }
       }
     });
