@@ -56,7 +56,15 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "gate_proj",
     "ffn_up.weight": "up_proj",
     "ffn_down.weight": "down_proj",
+    "ffn_gate_inp.weight": "router",
+    # every expert's matrix in one tensor [experts, rows, columns]: split at load
+    "ffn_gate_exps.weight": "gate_proj_experts",
+    "ffn_up_exps.weight": "up_proj_experts",
+    "ffn_down_exps.weight": "down_proj_experts",
 }
+# Phi-3's fused matrices (ffn_up holds gate then up), split at load as its config.json ones
+_GGUF_FAMILY_LAYER_NAMES = {"phi3": {"attn_qkv.weight": "qkv_proj",
+                                     "ffn_up.weight": "gate_up_proj"}}
 
 
 def _unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -71,22 +79,28 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
 
     reader = open_gguf(path)
     config = _gguf_config(reader, path)
-    permuted = gguf_field(reader, "general.architecture") in PERMUTED_QK_ARCHITECTURES
+    arch = gguf_field(reader, "general.architecture")
+    permuted = arch in PERMUTED_QK_ARCHITECTURES
+    layer_names = {**_GGUF_LAYER_NAMES, **_GGUF_FAMILY_LAYER_NAMES.get(arch, {})}
     weights: dict[str, torch.Tensor] = {}
+    sources: dict[str, str] = {}
     for tensor in reader.tensors:
         try:
             values = dequantize(tensor)
         except Exception as exc:
             raise ModelLoadError(f"{path}: tensor {tensor.name} cannot be read ({exc})") from exc
-        name = _gguf_name(tensor.name)
+        name = _our_name(tensor.name, _GGUF_TOP_NAMES, "blk.", layer_names)
         if name is None:
             continue
+        sources[name] = f"{path}: {tensor.name}"
         if permuted and name.endswith((".q_proj", ".q_bias")):
             values = _unpermute_rotary_rows(values, config.num_heads)
         elif permuted and name.endswith((".k_proj", ".k_bias")):
             values = _unpermute_rotary_rows(values, config.num_kv_heads)
         weights[name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
-    _check_weights(config, weights, {}, str(path))
+    _split_fused(weights, sources, config)
+    _split_experts(weights, sources, config)
+    _check_weights(config, weights, sources, f"{path} (architecture {arch})")
     return config, weights
 
 
@@ -94,8 +108,19 @@ _GGUF_TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_no
                    "output.weight": "lm_head"}
 
 
-def _gguf_name(name: str) -> str | None:
-    return _our_name(name, _GGUF_TOP_NAMES, "blk.", _GGUF_LAYER_NAMES)
+def _split_experts(weights: dict[str, torch.Tensor], sources: dict[str, str],
+                   config: ModelConfig) -> None:
+    """A GGUF file's [experts, rows, columns] tensors into one matrix per expert."""
+    for name in [n for n in weights if n.endswith("_experts")]:
+        prefix, matrix = name.rsplit(".", 1)
+        stacked = weights.pop(name)
+        if stacked.dim() != 3 or stacked.shape[0] != config.num_experts:
+            raise ModelLoadError(f"{sources[name]} has shape {tuple(stacked.shape)}, not one "
+                                 f"matrix for each of the {config.num_experts} experts")
+        for expert, weight in enumerate(stacked.unbind(0)):
+            ours = f"{prefix}.experts.{expert}.{matrix.removesuffix('_experts')}"
+            weights[ours] = weight
+            sources[ours] = sources[name]
 
 
 def _our_name(name: str, top_level: dict[str, str], layer_prefix: str,

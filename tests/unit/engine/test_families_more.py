@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from sluice.actors.engine import Engine
 from sluice.actors.executor.loader import ModelLoadError, load_weights, read_model_config
+from sluice.actors.executor.model import LlamaModel
 from sluice.actors.executor.runner import ModelRunner
 from sluice.actors.scheduler import SchedulerConfig
 from sluice.actors.scheduler.plan import SamplingParams
 
-from test_families import SHAPE, VOCAB, save
+from test_families import SHAPE, VOCAB, assert_transformers_reads_it_alike, save
 from test_loader import forward_logits
 
 transformers = pytest.importorskip("transformers")
@@ -163,3 +165,119 @@ def test_missing_and_misshapen_weights_are_refused(tmp_path):
     with pytest.raises(ModelLoadError, match=r"\(model_type phi3\): weight 'layers.1.down_proj' "
                                              r"is missing \(1 of 21 missing\)"):
         load_weights(tmp_path, torch.float32)
+
+
+# ---- GGUF files, written as llama.cpp's converter writes them -------------------------------
+
+_GGUF_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+               "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+_GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                 "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+
+
+def write_moe_or_phi3_gguf(folder, path, arch: str) -> None:
+    """The folder's weights as llama.cpp lays them out: q/k rows permuted for "llama", each
+    layer's experts stacked into one [experts, rows, columns] tensor per matrix."""
+    from gguf import GGUFWriter
+    from safetensors.torch import load_file
+
+    from test_families import _GGUF_LAYER_NAMES as LAYER_NAMES, _GGUF_NAMES as TOP_NAMES
+    from test_families import llama_cpp_permute
+
+    cfg = json.loads((folder / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    writer = GGUFWriter(str(path), arch)
+    for key, value in (("context_length", cfg["max_position_embeddings"]),
+                       ("embedding_length", cfg["hidden_size"]),
+                       ("block_count", cfg["num_hidden_layers"]),
+                       ("feed_forward_length", cfg["intermediate_size"]),
+                       ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
+                       ("attention.key_length", head_dim), ("attention.value_length", head_dim),
+                       ("rope.dimension_count", head_dim), ("vocab_size", cfg["vocab_size"])):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    if experts:
+        writer.add_uint32(f"{arch}.expert_count", experts)
+        writer.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+    stacked: dict[str, list] = {}
+    for name, tensor in sorted(load_file(folder / "model.safetensors").items()):
+        values = tensor.numpy().astype("float32")
+        if name in TOP_NAMES:
+            writer.add_tensor(TOP_NAMES[name], values)
+            continue
+        index, rest = name.removeprefix("model.layers.").split(".", 1)
+        module, kind = rest.rsplit(".", 1)
+        if ".experts." in module:
+            _, expert, matrix = module.rsplit(".", 2)
+            stacked.setdefault(f"blk.{index}.{_GGUF_EXPERTS[matrix]}.{kind}", []).append(
+                (int(expert), values))
+            continue
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            values = llama_cpp_permute(values, heads if "q_proj" in module else kv_heads)
+        gguf_module = _GGUF_NAMES.get(module) or LAYER_NAMES[module]
+        writer.add_tensor(f"blk.{index}.{gguf_module}.{kind}", values)
+    for name, parts in stacked.items():
+        writer.add_tensor(name, np.stack([values for _, values in sorted(parts)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["phi3", "qwen3moe", "llama"])
+def test_gguf_phi3_and_experts_match_transformers(tmp_path, arch):
+    """Phi-3 and Qwen3-MoE by their llama.cpp names, Mixtral as llama.cpp's "llama" with
+    experts: the logits equal transformers' (the decoding itself is the folders' tests');
+    transformers' own GGUF reader finds the same weights where it reads the architecture."""
+    if arch == "phi3":
+        reference = build("Phi3Config", "Phi3ForCausalLM", pad_token_id=0, rope_theta=5000.0)
+    elif arch == "qwen3moe":
+        reference = build("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                          norm_topk_prob=True, rope_theta=5000.0)
+    else:
+        reference = build("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
+                          num_experts_per_tok=2, rope_theta=5000.0)
+    folder = tmp_path / "hf"
+    save(reference, folder)
+    path = tmp_path / f"{arch}.gguf"
+    write_moe_or_phi3_gguf(folder, path, arch)
+    if arch != "llama":
+        assert_transformers_reads_it_alike(reference, path)
+    config, weights = load_weights(path, torch.float32)
+    assert config.num_experts == (0 if arch == "phi3" else 4)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPTS[0]])).logits[0]
+    torch.testing.assert_close(forward_logits(LlamaModel(config, weights), PROMPTS[0]),
+                               expected, atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_that_cannot_load_is_refused(tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "model.gguf"
+    for arch, extra, message in (
+            ("gemma2", {}, r"architecture 'gemma2' \('general.architecture'\) is not supported "
+                           r"\(supported: llama, qwen2, qwen3, mistral, phi3, qwen3moe\)"),
+            ("qwen3moe", {"expert_count": 4, "expert_used_count": 5},
+             r"'qwen3moe.expert_used_count' is 5: it must be from 1 to "
+             r"'qwen3moe.expert_count' \(4\)")):
+        writer = GGUFWriter(str(path), arch)
+        for key, value in dict(context_length=64, embedding_length=64, block_count=1,
+                               feed_forward_length=96, **{"attention.head_count": 4},
+                               vocab_size=VOCAB, **extra).items():
+            writer.add_uint32(f"{arch}.{key}", value)
+        writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+        writer.add_tensor("token_embd.weight", np.zeros((VOCAB, 64), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(ModelLoadError, match=message) as refused:
+            read_model_config(path)
+        assert "model.gguf" in str(refused.value)
