@@ -172,7 +172,7 @@ class Executor(Actor):
             self.scheduler.put(am.WorkerReady(self.restarts, self.pid or 0, facts.dtype,
                                              facts.kv_dtype))
         elif self.state == "failed":
-            self.scheduler.put(am.WorkerFailed(self.failure, self.failed_starts))
+            self.scheduler.put(am.WorkerFailed(self.failure, self.failed_starts, self.restarts))
 
     async def on_recover(self, msg: am.Recover) -> None:
         """Replace a serving worker; retry a failed or restarting one now."""
@@ -261,7 +261,7 @@ class Executor(Actor):
                                   attempts=self.failed_starts,
                                   retry_in=self.spec.failed_retry_interval)
                     self.state = "failed"
-                    self.scheduler.put(am.WorkerFailed(reason, self.failed_starts))
+                    self.scheduler.put(am.WorkerFailed(reason, self.failed_starts, self.restarts))
                     wait = self.spec.failed_retry_interval
                     if first:
                         first = False

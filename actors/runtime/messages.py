@@ -105,6 +105,7 @@ class WorkerFailed:
 
     reason: str
     attempts: int
+    restarts: int = 0  # starts after the first so far, the failed ones included
 
 
 @dataclass(frozen=True)

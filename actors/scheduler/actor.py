@@ -295,6 +295,7 @@ class SchedulerActor(Actor):
         first = self.worker_state != "failed"
         self.worker_state = "failed"
         self.worker_failure = msg.reason
+        self.worker_restarts = msg.restarts
         self.worker_pid = 0
         rids = list(self.core.requests)
         why = worker_failed_message(msg.reason)  # what their clients' `Error` says

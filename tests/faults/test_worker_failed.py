@@ -159,11 +159,15 @@ async def test_a_failed_worker_is_retried_every_failed_retry_interval(
         fault.write_text("")
         os.kill((await fetch_status(control)).worker.pid, signal.SIGKILL)
         await _worker_state(control, "failed")
+        restarts = (await fetch_status(control)).worker.restarts
         # retried while the cause lasts: each retry fails again and logs why
         failed = _starts_lost(tmp_path / "sluiced.log")
         while _starts_lost(tmp_path / "sluiced.log") < failed + 2:
             await trio.sleep(0.1)
         assert (await fetch_status(control)).worker.state == "failed"
+        # status counts the retries as restarts too (it reports what the scheduler last heard)
+        while (await fetch_status(control)).worker.restarts < restarts + 2:
+            await trio.sleep(0.1)
         fault.unlink()  # the cause is gone: the next retry brings a worker back, unasked
         await _worker_state(control, "ready")
         async with AsyncClient(fields["listen"]) as client:
