@@ -157,6 +157,11 @@ class Control(Actor):
         edge = await self.gateway_state()
         if edge is not None:
             report = replace(report, connections=len(edge.ids), gateway=edge.stats)
+        if self.hooks.http is not None:  # its refusals while draining count with the gateway's
+            http = await self._ask(self.hooks.http, lambda address, token: am.Ask(
+                am.ListConnections(), address, token))
+            refused = report.gateway.drain_refusals + http.stats.drain_refusals
+            report = replace(report, gateway=replace(report.gateway, drain_refusals=refused))
         return report
 
     async def _serve(self) -> None:

@@ -218,6 +218,9 @@ class _SchedulerCollector:
                                   value=report.worker.oom_steps)
         yield GaugeMetricFamily("sluice_draining", "1 while the daemon does not admit",
                                 value=1.0 if report.state != "serving" else 0.0)
+        yield CounterMetricFamily("sluice_drain_refusals",
+                                  "Requests refused because the daemon was draining",
+                                  value=report.gateway.drain_refusals)
 
 
 class _UsageCollector:

@@ -252,10 +252,25 @@ class Daemon:
 
     async def metrics_snapshot(self):
         """What the console sees (status and detail) and the latency histograms, asked by
-        message; for the metrics."""
-        return await self.questions.ask(
+        message; for the metrics. Its status carries the edge's counters, as `sluice status`
+        shows them: the gateway's, with the HTTP front's drain refusals."""
+        snapshot = await self.questions.ask(
             self._scheduler_inbox, lambda address, token: am.Ask(MetricsQuery(), address, token),
             5.0)  # inside the 10 s a metrics scrape may take
+        stats = snapshot.snapshot.status.gateway
+        for name in ("gateway", "http"):
+            if (inbox := self._inboxes.get(name)) is None:
+                continue
+            edge = await self.questions.ask(inbox, lambda address, token: am.Ask(
+                am.ListConnections(), address, token), 5.0)
+            if name == "gateway":
+                stats = edge.stats
+            else:
+                stats = dataclasses.replace(
+                    stats, drain_refusals=stats.drain_refusals + edge.stats.drain_refusals)
+        status = dataclasses.replace(snapshot.snapshot.status, gateway=stats)
+        return dataclasses.replace(
+            snapshot, snapshot=dataclasses.replace(snapshot.snapshot, status=status))
 
     async def usage_snapshot(self):
         """The Usage actor's totals and request-timing histograms, for the metrics."""

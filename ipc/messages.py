@@ -257,6 +257,8 @@ class GatewayStats:
     dropped_frames: int = 0  # client frames discarded unanswered (docs/configuration.md)
     forgotten_peers: int = 0  # connections dropped for not reading what they were sent
     refused_connections: int = 0  # new connections refused over the connection cap
+    # requests refused because the daemon was draining, by the client socket and HTTP
+    drain_refusals: int = 0
 
 
 @dataclass(frozen=True)

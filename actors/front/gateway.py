@@ -352,6 +352,7 @@ class Gateway(Actor):
                 "tenant"))
             return
         if isinstance(msg, m.Generate) and self.draining:
+            self.peers.drain_refusals += 1
             await self._reply(identity, m.Rejected(msg.request_id, m.RejectCode.DRAINING,
                                                   "the daemon is draining"))
             return

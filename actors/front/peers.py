@@ -24,6 +24,7 @@ class PeerBook:
         self.dropped_frames = 0  # client frames discarded unanswered
         self.forgotten_peers = 0  # times a peer was forgotten
         self.refused_connections = 0  # new connections refused (cap, or out of descriptors)
+        self.drain_refusals = 0  # requests refused while the daemon drained
 
     def __len__(self) -> int:
         return len(self._forgotten)
@@ -67,4 +68,4 @@ class PeerBook:
 
     def stats(self) -> m.GatewayStats:
         return m.GatewayStats(self.dropped_frames, self.forgotten_peers,
-                              self.refused_connections)
+                              self.refused_connections, self.drain_refusals)

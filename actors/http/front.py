@@ -217,6 +217,7 @@ class HttpFront(Actor):
         self.keys = KeyRing(settings.tenants)
         self.address: str | None = None  # HOST:PORT bound, kept across restarts
         self.draining = False
+        self.drain_refusals = 0  # requests refused while the daemon drained (for status)
         # kept across restarts: a stream that outlives a crash still reports its close here
         self.streams: dict[bytes, Stream] = {}
         self.stream: Stream | None = None  # the one new requests go to; None: open one
@@ -291,6 +292,7 @@ class HttpFront(Actor):
         elif isinstance(msg.query, am.ListConnections):
             live = am.Connections(frozenset(self.streams),
                                  tuple(stream.inbox.address for stream in self.streams.values()),
+                                 m.GatewayStats(drain_refusals=self.drain_refusals),
                                  answering=self.generations.held + self.body_reads.held)
             self.askers.put(msg.reply_to, am.Reply(msg.token, live))
 
@@ -331,6 +333,7 @@ class HttpFront(Actor):
                  "max_model_len": self.max_model_len}]})
             return
         if self.draining:
+            self.drain_refusals += 1
             raise api.ApiError(503, "the daemon is draining", type="server_error",
                                code="draining", retry_after=self.settings.retry_after)
         # a body being read is no generation, but one that could not start is not read

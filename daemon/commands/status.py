@@ -42,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
           f"cached {kv.cached_blocks}")
     print(f"requests   waiting {req.waiting}  running {req.running}  paused {req.paused}")
     print("counters   " + "  ".join(f"{k} {v}" for k, v in plain["counters"].items()))
+    print(f"refused    while draining {report.gateway.drain_refusals}  "
+          f"connections over the cap {report.gateway.refused_connections}")
     for problem in report.invariant_errors:
         print(f"INCONSISTENT {problem}")
     return 1 if report.invariant_errors else 0
