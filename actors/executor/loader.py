@@ -181,7 +181,7 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict
 
     config = _hf_config(folder)
     model_type = json.loads((folder / "config.json").read_text())["model_type"]
-    layer_names = _hf_layer_names(model_type)
+    layer_names = _hf_layer_names("gemma3_text" if model_type == "gemma3" else model_type)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no .safetensors files")
@@ -243,8 +243,13 @@ _HF_TOP_NAMES = {"embed_tokens.weight": "embed", "norm.weight": "final_norm",
                  "lm_head.weight": "lm_head"}
 
 
+# where an image-text checkpoint keeps its language model (transformers has written both)
+_HF_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.", "model.")
+
+
 def _hf_name(key: str, layer_names: dict[str, str] = _HF_LAYER_NAMES) -> str | None:
-    name = key.removeprefix("model.")
+    prefix = next((p for p in _HF_PREFIXES if key.startswith(p)), "")
+    name = key[len(prefix):]
     if name.startswith("layers.") and (expert := _HF_EXPERT.search(name)):
         index = name.split(".", 2)[1]
         matrix = _EXPERT_MATRICES.get(expert.group(2), expert.group(2))

@@ -29,6 +29,13 @@ GEMMA = ("gemma2", "gemma3_text")
 # use_sliding_window; Gemma's on its sliding layers
 ALWAYS_SLIDING = ("mistral", "mixtral", "phi3")
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# transformers' Gemma3TextConfig defaults: a Gemma 3 image-text checkpoint's text_config
+# leaves most of them out
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+    sliding_window=4096, query_pre_attn_scalar=256, tie_word_embeddings=True)
 MODEL_HINT = "give a .gguf file or a Hugging Face folder with config.json"
 GGUF_MAGIC = b"GGUF"  # a GGUF file's first bytes, as `gguf_file.MAGIC` (whose import is slower)
 
@@ -226,11 +233,15 @@ def _hf_config(folder: Path) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{config_path}: not a JSON object")
     model_type = raw.get("model_type")
+    if model_type == "gemma3" and isinstance(raw.get("text_config"), dict):
+        # an image-text checkpoint: its language model alone (images are not taken)
+        raw = {**raw["text_config"], "model_type": "gemma3_text"}
+        model_type = "gemma3_text"
     if model_type not in HF_MODEL_TYPES:
-        hint = ("; give the text-only checkpoint (model_type gemma3_text)"
-                if model_type == "gemma3" else "")
         raise ModelLoadError(f"{config_path}: model_type {model_type!r} is not supported "
-                             f"(supported: {', '.join(HF_MODEL_TYPES)}){hint}")
+                             f"(supported: {', '.join(HF_MODEL_TYPES)})")
+    if model_type == "gemma3_text":
+        raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
     try:
         return _hf_family_config(raw, model_type, config_path)
     except ModelLoadError:

@@ -102,6 +102,33 @@ def test_gemma3_local_and_global_layers_have_their_own_rope(tmp_path, smollm_tok
     assert_matches_transformers(reference, tmp_path, smollm_tokenizer)
 
 
+def test_gemma3_image_text_checkpoint_serves_its_language_model(tmp_path):
+    """Its text_config leaves most fields to transformers' defaults; its weights sit under
+    language_model; the vision tower is not read."""
+    text = dict(SHAPE, head_dim=16, sliding_window=16, tie_word_embeddings=True,
+                layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    reference = transformers.Gemma3ForConditionalGeneration(config).eval()
+    for name, weight in reference.named_parameters():
+        if "norm" in name and "language_model" in name:
+            torch.nn.init.normal_(weight, mean=0.5, std=0.5)
+    save(reference, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    for field in ("max_position_embeddings", "rms_norm_eps", "query_pre_attn_scalar"):
+        raw["text_config"].pop(field)  # as Google's own configs leave them out
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours, weights = load_weights(tmp_path, torch.float32)
+    assert (ours.max_position_embeddings, ours.attention_scale) == (131_072, 256 ** -0.5)
+    with torch.no_grad():  # the decoding itself is the text-only checkpoint's test's
+        expected = reference(torch.tensor([PROMPTS[0]])).logits[0]
+    torch.testing.assert_close(forward_logits(LlamaModel(ours, weights), PROMPTS[0]),
+                               expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_mixture_of_experts_matches_transformers(tmp_path, smollm_tokenizer, family):
     if family == "mixtral":
@@ -129,8 +156,8 @@ def write_config(folder, **changes) -> None:
     (dict(model_type="phi3", rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
                                            "long_factor": [2.0] * 8}),
      r"rope scaling type 'longrope' is not supported"),
-    (dict(model_type="gemma3"), r"model_type 'gemma3' is not supported \(supported: .*phi3, "
-                                r"gemma2, gemma3_text, mixtral, qwen3_moe\); give the text-only"),
+    (dict(model_type="gemma"), r"model_type 'gemma' is not supported \(supported: .*phi3, "
+                               r"gemma2, gemma3_text, mixtral, qwen3_moe\)"),
     (dict(hidden_activation="gelu"), r"hidden_activation 'gelu' is not supported"),
     (dict(model_type="llama", hidden_act="relu"), r"hidden_act 'relu' is not supported"),
     (dict(layer_types=["sliding_attention"]), r"layer_types must list 2 values"),
