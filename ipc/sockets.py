@@ -124,9 +124,9 @@ class Socket:
     async def recv(self) -> bytes:
         return (await self.recv_multipart())[-1]
 
-    async def recv_from(self) -> tuple[list[bytes], str | None, int]:
-        """A message, the user id ZAP attached to it (None without authentication) and the
-        descriptor of the connection it came in on (-1 where there is none)."""
+    async def recv_from(self, user: bool = False) -> tuple[list[bytes], str | None, int]:
+        """A message, the user id ZAP attached to it (asked only with `user`: None without)
+        and the descriptor of the connection it came in on (-1 where there is none)."""
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             try:
@@ -136,16 +136,16 @@ class Socket:
                 continue
             self._wake_waiter()
             await trio.lowlevel.cancel_shielded_checkpoint()
-            return _source(parts)
+            return _source(parts, user)
 
-    def recv_from_nowait(self) -> tuple[list[bytes], str | None, int] | None:
+    def recv_from_nowait(self, user: bool = False) -> tuple[list[bytes], str | None, int] | None:
         """`recv_from` for a message that is already here, or None."""
         try:
             parts = self.zmq.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
         self._wake_waiter()
-        return _source(parts)
+        return _source(parts, user)
 
     async def send_multipart(self, frames: list[bytes]) -> None:
         """Send one message; on a ROUTER `frames[0]` is the peer, and a full peer raises
@@ -240,10 +240,6 @@ class Socket:
             scope.cancel()
 
 
-def _source(parts: list[zmq.Frame]) -> tuple[list[bytes], str | None, int]:
+def _source(parts: list[zmq.Frame], user: bool) -> tuple[list[bytes], str | None, int]:
     last = parts[-1]
-    try:
-        user = last.get("User-Id")
-    except zmq.ZMQError:  # no ZAP on this socket: no user id property
-        user = None
-    return [bytes(p.buffer) for p in parts], user, last.get(zmq.SRCFD)
+    return [p.bytes for p in parts], last.get("User-Id") if user else None, last.get(zmq.SRCFD)

@@ -283,7 +283,7 @@ class Gateway(Actor):
                 # nothing queued: the frames of peers that are gone have all been read
                 self.listener.read_empty()
                 self.peers.clear_gone()
-                queued = await self.socket.recv_from()
+                queued = await self.socket.recv_from(self.curve_secret_key is not None)
             else:  # a turn of the loop per run of frames, as when it waits; taken, so shielded
                 await trio.lowlevel.cancel_shielded_checkpoint()
             await self._take_safely(*queued)
@@ -308,7 +308,7 @@ class Gateway(Actor):
     def _queued(self) -> tuple[list[bytes], str | None, int] | None:
         """A client frame already on the socket, with its user id (None without CURVE) and
         the descriptor of its connection."""
-        return self.socket.recv_from_nowait()
+        return self.socket.recv_from_nowait(self.curve_secret_key is not None)
 
     async def _take_safely(self, frames: list[bytes], key: str | None, descriptor: int) -> None:
         try:
