@@ -359,9 +359,10 @@ def _softcap(raw: dict, name: str, config_path: Path) -> float:
 
 def _moe_fields(raw: dict, model_type: str, layers: int, config_path: Path) -> dict:
     """Mixtral's and Qwen3-MoE's experts; Qwen3-MoE may keep dense MLPs on some layers."""
-    experts = raw.get("num_local_experts") or raw.get("num_experts")
+    experts_field = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    experts = raw.get(experts_field)
     top_k = raw.get("num_experts_per_tok")
-    for name, value in (("num_local_experts", experts), ("num_experts_per_tok", top_k)):
+    for name, value in ((experts_field, experts), ("num_experts_per_tok", top_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ModelLoadError(f"{config_path}: {name} must be a positive integer, got "
                                  f"{value!r}")

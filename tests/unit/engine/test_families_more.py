@@ -165,7 +165,7 @@ def write_config(folder, **changes) -> None:
     (dict(model_type="mixtral", num_local_experts=2, num_experts_per_tok=3),
      r"num_experts_per_tok 3 is more than the 2 experts"),
     (dict(model_type="qwen3_moe", num_experts=0, num_experts_per_tok=1,
-          moe_intermediate_size=8), r"num_local_experts must be a positive integer, got 0"),
+          moe_intermediate_size=8), r"num_experts must be a positive integer, got 0"),
 ])
 def test_a_config_that_cannot_load_is_refused(tmp_path, changes, message):
     write_config(tmp_path, **changes)
