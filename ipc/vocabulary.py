@@ -71,6 +71,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, handled by the detokenizer, never sent
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per sampled token, None for none
+    # OpenAI's logit_bias as two columns: token ids, and what is added to each one's logit
+    # before penalties and temperature (a tuple of pairs would not be one wire type)
+    logit_bias_ids: tuple[int, ...] = ()
+    logit_bias_values: tuple[float, ...] = ()
+    # a constraint on the output: "" none, else one of GRAMMAR_KINDS, spelled by `grammar`
+    # (a JSON schema's text, a regular expression, a JSON list of choices, a Lark grammar)
+    grammar_kind: str = ""
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -104,10 +112,28 @@ class SamplingParams:
             _check_int(f"stop_token_ids[{i}]", token, 0)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidParams("stop", "stop strings must be non-empty strings")
+        if len(self.logit_bias_ids) != len(self.logit_bias_values):
+            raise InvalidParams("logit_bias", "needs as many values as token ids")
+        for i, token in enumerate(self.logit_bias_ids):
+            _check_int(f"logit_bias[{i}]", token, 0)
+        for i, bias in enumerate(self.logit_bias_values):
+            if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                raise InvalidParams(f"logit_bias[{i}]", f"a bias must be in [-100, 100], "
+                                    f"got {shown(bias)}")
+        if self.grammar_kind not in ("", *GRAMMAR_KINDS):
+            raise InvalidParams("grammar_kind", f"must be one of {', '.join(GRAMMAR_KINDS)}, "
+                                f"got {shown(self.grammar_kind)}")
+        if bool(self.grammar_kind) != bool(self.grammar):
+            raise InvalidParams("grammar", "a grammar and its kind go together")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constrained(self) -> bool:
+        """The output follows a grammar: the sampler masks what it does not allow."""
+        return bool(self.grammar_kind)
 
     @property
     def has_penalties(self) -> bool:
@@ -135,6 +161,8 @@ class SamplingParams:
         fields = dict(zip(_SAMPLING_FIELDS, values))
         fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
         fields["stop"] = tuple(fields["stop"])
+        fields["logit_bias_ids"] = tuple(fields["logit_bias_ids"])
+        fields["logit_bias_values"] = tuple(fields["logit_bias_values"])
         params.__dict__.update(fields)
         return params
 
@@ -145,11 +173,15 @@ class SamplingParams:
         if unknown:
             raise InvalidParams(sorted(unknown)[0], "unknown sampling parameter")
         values = dict(data)
-        for name in ("stop_token_ids", "stop"):
+        for name in ("stop_token_ids", "stop", "logit_bias_ids", "logit_bias_values"):
             if name in values and values[name] is not None:
                 values[name] = tuple(values[name])
         return cls(**values)
 
+
+# json_schema: a schema's JSON text; regex: a regular expression the whole output matches;
+# choice: a JSON list of strings, the output one of them; lark: a Lark grammar
+GRAMMAR_KINDS = ("json_schema", "regex", "choice", "lark")
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 

@@ -12,6 +12,7 @@ hands back what the failed step held, and the step can be planned again smaller.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
 
@@ -70,6 +71,22 @@ class ModelRunner:
                                                  max_bytes=kv_max_bytes)
             self.num_blocks = self.kv_sizing.num_blocks
         self.kv_pool = model.new_kv_pool(self.num_blocks, block_size)
+        self._constraints = None  # grammar matchers, made for the first constrained request
+        self._mask_thread: ThreadPoolExecutor | None = None
+
+    @property
+    def constraints(self):
+        """The matchers of constrained requests (`grammar.Constraints`), built on first use:
+        a daemon that is never sent a grammar never loads the grammar engine."""
+        if self._constraints is None:
+            from sluice.actors.executor.grammar import Constraints
+
+            if self.model_path is None:
+                raise ValueError("a grammar needs the model's tokenizer: this model has none")
+            self._constraints = Constraints.for_model(self.model_path,
+                                                      threads=max(1, torch.get_num_threads()))
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._constraints
 
     @classmethod
     def from_config(cls, config: ModelConfig, *, dtype: str = "bfloat16", device: str = "cuda",
@@ -144,12 +161,26 @@ class ModelRunner:
         started = time.perf_counter()
         if not plan.seqs:
             return StepResult(step_id=plan.step_id)
-        logits = self.forward_logits(plan)
         sampling_seqs = [s for s in plan.seqs if s.sample]
+        masks = None
+        if any(s.sampling.constrained for s in sampling_seqs):
+            # the grammar masks are computed on another thread while the forward runs
+            constraints = self.constraints
+            masks = self._mask_thread.submit(constraints.masks, sampling_seqs)
+        elif self._constraints is not None:
+            self._constraints.masks(sampling_seqs)  # counts the step: idle matchers go
+        try:
+            logits = self.forward_logits(plan)
+        finally:
+            if masks is not None:
+                masks = masks.result()
         sampled = {}
         if sampling_seqs:
-            for seq, token in zip(sampling_seqs, sample(logits, sampling_seqs)):
+            tokens = sample(logits, sampling_seqs, masks)
+            for seq, token in zip(sampling_seqs, tokens):
                 sampled[seq.request_id] = token
+            if masks is not None:
+                self._constraints.advance(sampling_seqs, [t[0] for t in tokens])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepResult(step_id=plan.step_id, sampled=sampled,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from sluice.actors.scheduler.plan import SampledToken, ScheduledSeq
@@ -35,21 +36,64 @@ def token_seed(request_seed: int, index: int) -> int:
     return (request_seed * _SEED_MIX + index * 0xBF58476D1CE4E5B9 + 1) & _SEED_MASK
 
 
-def sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[SampledToken]:
-    """logits [len(seqs), vocab] float32, one row per sequence that samples this step."""
+def sample(logits: torch.Tensor, seqs: list[ScheduledSeq],
+           masks: tuple[list[int], np.ndarray] | None = None) -> list[SampledToken]:
+    """logits [len(seqs), vocab] float32, one row per sequence that samples this step.
+
+    `masks`: (rows, int32 bitmask [len(rows), ceil(vocab / 32)]) for the rows whose output
+    follows a grammar (`grammar.Constraints.masks`): a token whose bit is clear is never
+    drawn. The logit bias and the masks act before penalties and temperature; the logprobs
+    a request asked for are still those of the model's own logits."""
     if not seqs:
         return []
     device = logits.device
+    scores = logits
+    if masks is not None or any(s.sampling.logit_bias_ids for s in seqs):
+        scores = apply_bias_and_masks(logits, seqs, masks)
     if any(s.sampling.has_penalties for s in seqs):
-        scores = apply_penalties(logits, seqs)
-    else:
-        scores = logits
+        scores = apply_penalties(scores, seqs)
     chosen = scores.argmax(dim=-1)  # greedy rows keep this; sampled rows are overwritten
     sampled = [row for row, s in enumerate(seqs) if not s.sampling.greedy]
     if sampled:
         rows = torch.tensor(sampled, device=device)
         chosen[rows] = _sample_rows(scores[rows], [seqs[r] for r in sampled])
     return _results(logits, seqs, chosen)
+
+
+def apply_bias_and_masks(logits: torch.Tensor, seqs: list[ScheduledSeq],
+                         masks: tuple[list[int], np.ndarray] | None) -> torch.Tensor:
+    """A copy of the logits with each row's logit bias added and grammar masks applied."""
+    scores = logits.clone()
+    rows, ids, values = [], [], []
+    for row, seq in enumerate(seqs):
+        bias = seq.sampling
+        if bias.logit_bias_ids:
+            rows += [row] * len(bias.logit_bias_ids)
+            ids += bias.logit_bias_ids
+            values += bias.logit_bias_values
+    vocab = scores.shape[1]
+    if ids:
+        # an id past this model's vocabulary (the front checks them) biases nothing
+        kept = [i for i, token in enumerate(ids) if token < vocab]
+        if kept:
+            flat = torch.tensor([rows[i] * vocab + ids[i] for i in kept], device=scores.device)
+            scores.view(-1).index_add_(0, flat, torch.tensor([values[i] for i in kept],
+                                                             dtype=scores.dtype,
+                                                             device=scores.device))
+    if masks is not None:
+        mask_rows, bitmask = masks
+        allowed = unpack_bitmask(torch.from_numpy(bitmask).to(scores.device), vocab)
+        index = torch.tensor(mask_rows, device=scores.device)
+        scores[index] = scores[index].masked_fill(~allowed, float("-inf"))
+    return scores
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [rows, vocab] from int32 words [rows, ceil(vocab / 32)], bit i of word w being
+    token 32 * w + i."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
@@ -158,6 +202,9 @@ def _race(values: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, min_p: to
         before = probs.cumsum(-1) - probs
         # the smallest prefix whose mass reaches top_p (the first token always stays)
         keep &= before < top_p
+    # a masked token (-inf) never races: its noise may be 0, and -inf - log(0) is NaN,
+    # which argmax would pick
+    keep &= values > float("-inf")
     noise = exponential_noise(keys, ids)
     race = torch.where(keep, values - noise.log(), float("-inf"))
     return ids.gather(1, race.argmax(-1, keepdim=True))[:, 0]
@@ -227,6 +274,8 @@ def reference_sample(logits: torch.Tensor, seq: ScheduledSeq) -> int:
     """One row, the plain way: the definition `sample` must agree with (used by tests)."""
     params = seq.sampling
     row = logits[None].clone()
+    if params.logit_bias_ids:
+        row = apply_bias_and_masks(row, [seq], None)
     if params.has_penalties:
         row = apply_penalties(row, [seq])
     row = row[0]
@@ -245,5 +294,5 @@ def reference_sample(logits: torch.Tensor, seq: ScheduledSeq) -> int:
     ids = torch.arange(scaled.numel())
     keys = race_keys([seq], logits.device)
     noise = exponential_noise(keys, ids[None])[0]
-    race = torch.where(keep, scaled - noise.log(), float("-inf"))
+    race = torch.where(keep & (scaled > float("-inf")), scaled - noise.log(), float("-inf"))
     return int(race.argmax())

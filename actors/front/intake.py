@@ -63,6 +63,14 @@ def check_generate(msg: m.Generate, limits: Limits) -> m.Rejected | None:
         if len(stop) > limits.max_stop_string_chars:
             return _refuse(msg, invalid, f"sampling.stop[{i}]", f"{len(stop)} characters",
                            "max_stop_string_chars", limits.max_stop_string_chars)
+    sampling = msg.sampling
+    if len(sampling.logit_bias_ids) > limits.max_logit_bias:
+        return _refuse(msg, invalid, "sampling.logit_bias", f"{len(sampling.logit_bias_ids)} "
+                       "entries", "max_logit_bias", limits.max_logit_bias)
+    if len(sampling.grammar) > limits.max_grammar_bytes // 4 and (
+            len(sampling.grammar.encode()) > limits.max_grammar_bytes):
+        return _refuse(msg, invalid, "sampling.grammar", f"{len(sampling.grammar.encode())} "
+                       "bytes", "max_grammar_bytes", limits.max_grammar_bytes)
     return None
 
 
@@ -91,6 +99,7 @@ def check_prompt_form(msg: m.Generate, vocab_size: int) -> None:
             raise InvalidParams("prompt_ids", "must not be empty")
         _check_ids("prompt_ids", msg.prompt_ids, vocab_size)
     _check_ids("sampling.stop_token_ids", msg.sampling.stop_token_ids, vocab_size)
+    _check_ids("sampling.logit_bias", msg.sampling.logit_bias_ids, vocab_size)
 
 
 def _check_ids(field: str, ids: tuple[int, ...], vocab_size: int) -> None:

@@ -104,7 +104,8 @@ class PlanBuilder:
             request.request_id, token_ids, start, request.block_ids, sample, request.sampling,
             len(outputs), request.sampling_seed,
             request.prompt_token_ids if penalties else None,
-            list(outputs) if penalties else None,
+            # a constrained request's matcher is rebuilt from its output where it was lost
+            list(outputs) if penalties or request.sampling.constrained else None,
         )
         request.scheduled_step = self.step_id
         request.last_chunk_was_decode = decode

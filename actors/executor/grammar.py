@@ -1,0 +1,221 @@
+"""Constrained decoding: the grammar a request's output must follow, as a token mask per step.
+
+The engine is llguidance. It builds a grammar's parser lazily, token by token (a JSON schema
+is ready in about a millisecond, where an ahead-of-time compiler takes tens), bounds the
+work of every step by its own fuel limits (so a hostile grammar fails, it does not stall),
+and computes the masks of a whole batch on its own threads without the GIL.
+
+A request names its grammar by `SamplingParams.grammar_kind` and `.grammar` (its source:
+a JSON schema's text, a regular expression, a JSON list of choices, or a Lark grammar).
+`grammar_source` turns one into llguidance's grammar and `check` says what is wrong with
+one, with no tokenizer: the fronts call it, off their event loop, before a request is sent
+on. `Constraints` is the worker's side: one matcher per constrained request, advanced with
+each token the request is sampled, and rebuilt from the request's output tokens (which the
+plan carries for a constrained request) whenever its count is not the matcher's: after a
+preemption and recompute, or in a worker that restarted and never saw the request.
+
+Nothing here imports torch: the fronts use `check`, and the sampler applies the masks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import llguidance
+
+# JSON written compactly: a flexible whitespace lets a small model spend its tokens on
+# newlines forever, and a compact object is what a client parses anyway
+_JSON_OPTIONS = {"whitespace_flexible": False}
+DEFAULT_CACHED_GRAMMARS = 64
+IDLE_STEPS = 64  # a matcher not scheduled for this many steps is dropped (rebuilt if needed)
+
+
+class GrammarError(ValueError):
+    """A grammar llguidance cannot take: the message says why."""
+
+
+def limits() -> llguidance.LLParserLimits:
+    """The parser's limits for every grammar (llguidance's defaults, which bound a step's
+    work to milliseconds)."""
+    return llguidance.LLParserLimits()
+
+
+def grammar_source(kind: str, text: str) -> str:
+    """llguidance's grammar for a request's (`grammar_kind`, `grammar`)."""
+    try:
+        if kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(text)
+        if kind == "choice":
+            choices = json.loads(text)
+            if (not isinstance(choices, list) or not choices
+                    or not all(isinstance(c, str) and c for c in choices)):
+                raise GrammarError("choices must be a non-empty list of non-empty strings")
+            # Lark string literals read JSON's escapes
+            return llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in choices))
+        if kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(text)
+    except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+        if isinstance(exc, GrammarError):
+            raise
+        raise GrammarError(str(exc)) from None
+    raise GrammarError(f"unknown grammar kind {kind!r}")
+
+
+def check(kind: str, text: str) -> None:
+    """Raise `GrammarError` saying what is wrong with a grammar, before any request uses it.
+    May take up to a grammar's build time (bounded by `limits`): call it off an event loop."""
+    source = grammar_source(kind, text)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        source, None, limits=limits())
+    if is_error:
+        raise GrammarError(_first_line(messages[0] if messages else ""))
+
+
+def _first_line(message: str) -> str:
+    line = message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+    return line if len(line) <= 300 else line[:300] + "…"
+
+
+class GrammarCache:
+    """Grammars checked recently, most recent last: a front checks each grammar once."""
+
+    def __init__(self, size: int = DEFAULT_CACHED_GRAMMARS):
+        self.size = size
+        self._known: OrderedDict[tuple[str, str], str] = OrderedDict()  # -> "" or an error
+
+    def get(self, kind: str, text: str) -> str | None:
+        """"" for a grammar found good, its error for one found bad, None for unknown."""
+        key = (kind, text)
+        found = self._known.get(key)
+        if found is not None:
+            self._known.move_to_end(key)
+        return found
+
+    def put(self, kind: str, text: str, error: str) -> None:
+        if self.size <= 0:
+            return
+        self._known[(kind, text)] = error
+        self._known.move_to_end((kind, text))
+        while len(self._known) > self.size:
+            self._known.popitem(last=False)
+
+
+@dataclass
+class _State:
+    matcher: llguidance.LLMatcher
+    consumed: int  # output tokens the matcher has taken
+    seen_step: int
+
+
+class Constraints:
+    """The worker's matchers, one per constrained request it samples."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int],
+                 *, cached_grammars: int = DEFAULT_CACHED_GRAMMARS, threads: int | None = None):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                eos_token=self.eos_token_ids)
+        self.executor = llguidance.LLExecutor(threads)
+        self.words = (vocab_size + 31) // 32  # int32 words of one row's bitmask
+        self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._cached = cached_grammars
+        self._states: dict[str, _State] = {}
+        self._step = 0
+
+    @classmethod
+    def for_model(cls, model_path, **kwargs) -> Constraints:
+        from sluice.actors.text.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(model_path)
+        return cls(tokenizer.backend.to_str(), tokenizer.vocab_size, tokenizer.eos_token_ids,
+                   **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def _fresh(self, kind: str, text: str) -> llguidance.LLMatcher:
+        key = (kind, text)
+        template = self._templates.get(key)
+        if template is None:
+            try:
+                source = grammar_source(kind, text)
+            except GrammarError:  # a grammar nobody checked: one that allows only the end
+                source = llguidance.LLMatcher.grammar_from_regex("")
+            template = llguidance.LLMatcher(self.tokenizer, source, log_level=0,
+                                            limits=limits())
+            self._templates[key] = template
+            while len(self._templates) > max(1, self._cached):
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(key)
+        return template.deep_copy()
+
+    def _state(self, seq) -> _State:
+        """The request's matcher, at the token it samples now; rebuilt when it is not."""
+        state = self._states.get(seq.request_id)
+        wanted = seq.num_generated
+        if state is None or state.consumed != wanted:
+            params = seq.sampling
+            matcher = self._fresh(params.grammar_kind, params.grammar)
+            outputs = seq.output_token_ids or []
+            if wanted:
+                # a recomputed or restarted request: its output so far, again. Tokens past
+                # what the grammar allows leave the matcher in its error state (end only)
+                matcher.consume_tokens(list(outputs[:wanted]))
+            state = _State(matcher, wanted, self._step)
+            self._states[seq.request_id] = state
+        state.seen_step = self._step
+        return state
+
+    def masks(self, seqs: list) -> tuple[list[int], object] | None:
+        """(rows, bitmask int32 [len(rows), words]) for the constrained rows of `seqs` (the
+        sequences that sample this step, in order), or None when none is constrained."""
+        import numpy as np
+
+        self._step += 1
+        rows = [row for row, seq in enumerate(seqs) if seq.sampling.constrained]
+        if not rows:
+            self._forget_idle()
+            return None
+        bitmask = np.zeros((len(rows), self.words), dtype=np.int32)
+        matchers = []
+        for i, row in enumerate(rows):
+            matcher = self._state(seqs[row]).matcher
+            matchers.append((matcher, i))
+        self.executor.unsafe_compute_mask_ptr(matchers, bitmask.ctypes.data, self.words * 4,
+                                              len(rows))
+        for (matcher, i) in matchers:
+            if matcher.is_error() or not bitmask[i].any():
+                # nothing allowed (a broken grammar, or output it never allowed): the end only
+                bitmask[i] = 0
+                for eos in self.eos_token_ids:
+                    bitmask.view(np.uint32)[i, eos // 32] |= np.uint32(1 << (eos % 32))
+        self._forget_idle()
+        return rows, bitmask
+
+    def advance(self, seqs: list, tokens: list[int]) -> None:
+        """The sampled token of each constrained sequence, taken by its matcher."""
+        for seq, token in zip(seqs, tokens):
+            if not seq.sampling.constrained:
+                continue
+            state = self._states.get(seq.request_id)
+            if state is None or state.consumed != seq.num_generated:
+                continue
+            if not state.matcher.is_error() and not state.matcher.is_stopped():
+                state.matcher.consume_token(token)
+            state.consumed += 1
+
+    def _forget_idle(self) -> None:
+        if self._step % 16:
+            return
+        idle = [rid for rid, state in self._states.items()
+                if self._step - state.seen_step > IDLE_STEPS]
+        for rid in idle:
+            del self._states[rid]
