@@ -201,7 +201,8 @@ class Daemon:
                                       make_stream=make_http_stream, scheduler=scheduler_inbox,
                                       model_name=model_name, max_model_len=max_model_len,
                                       heartbeat_interval=cfg.stream.heartbeat_interval,
-                                      reserved_fds=cfg.limits.reserved_fds, inbox=http_inbox)
+                                      reserved_fds=cfg.limits.reserved_fds, limits=cfg.limits,
+                                      inbox=http_inbox)
                 fronts.append(self.http)
             self.control = Control(cfg.control_address, scheduler=scheduler_inbox,
                                    hooks=self._control_hooks(gateway_inbox),

@@ -49,6 +49,9 @@ import structlog
 import trio
 import zmq
 
+from sluice.actors.executor import grammar
+from sluice.actors.executor.grammar import GrammarCache
+from sluice.actors.front.limits import Limits
 from sluice.actors.runtime import messages as am
 from sluice.actors.http import openai_api as api
 from sluice.actors.runtime.base import RESOURCE_ERRNOS, Actor, Handler, Inbox, Outbox, Outboxes
@@ -64,6 +67,24 @@ from sluice.actors.runtime.supervisor import Supervisor
 from sluice.ipc import messages as m
 
 log = structlog.get_logger("sluice.http")
+
+
+def model_alias(model_name: str) -> str | None:
+    """The short name a request may give for the model: its folder's name or its file's stem
+    ("embedded:SmolLM2-135M.Q8_0.gguf" -> "SmolLM2-135M.Q8_0"); None when it is the name."""
+    name = model_name.removeprefix("embedded:").rstrip("/").rsplit("/", 1)[-1]
+    for suffix in (".gguf", ".safetensors", ".bin"):
+        name = name.removesuffix(suffix)
+    return name if name and name != model_name else None
+
+
+def _grammar_error(kind: str, text: str) -> str:
+    """What is wrong with a grammar, "" when nothing is (runs on a worker thread)."""
+    try:
+        grammar.check(kind, text)
+    except grammar.GrammarError as exc:
+        return str(exc) or "invalid grammar"
+    return ""
 
 @dataclass(frozen=True)
 class HttpSettings:
@@ -205,13 +226,19 @@ class HttpFront(Actor):
     def __init__(self, settings: HttpSettings, *, supervisor: Supervisor,
                  make_stream: Callable[[bytes, ResponseRouter], Stream], scheduler: Outbox,
                  model_name: str, max_model_len: int, heartbeat_interval: float = 1.0,
-                 reserved_fds: int = 256, inbox: Inbox | None = None):
+                 reserved_fds: int = 256, limits: Limits | None = None,
+                 inbox: Inbox | None = None):
         super().__init__(inbox=inbox)
         self.settings = settings
+        self.limits = limits or Limits()
         self.supervisor = supervisor
         self.make_stream = make_stream
         self.scheduler = scheduler
         self.model_name = settings.model_name or model_name
+        self.model_alias = model_alias(self.model_name)  # the short name beside it
+        # grammars checked already (good ones and bad ones), and how many are being checked
+        self.grammars = GrammarCache(self.limits.max_cached_grammars)
+        self.grammar_checks = trio.CapacityLimiter(2)
         self.max_model_len = max_model_len
         self.heartbeat_interval = heartbeat_interval
         self.keys = KeyRing(settings.tenants)
@@ -328,9 +355,10 @@ class HttpFront(Actor):
             return
         tenant = self._tenant(scope)
         if path == "/v1/models":
+            names = [self.model_name] + ([self.model_alias] if self.model_alias else [])
             await send_json(send, 200, {"object": "list", "data": [
-                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sluice",
-                 "max_model_len": self.max_model_len}]})
+                {"id": name, "object": "model", "created": 0, "owned_by": "sluice",
+                 "max_model_len": self.max_model_len} for name in names]})
             return
         if self.draining:
             self.drain_refusals += 1
@@ -415,11 +443,15 @@ class HttpFront(Actor):
         request_id = os.urandom(12).hex()  # unguessable, and the response's id
         parse = api.chat_request if chat else api.completion_request
         request = parse(body, request_id=request_id, tenant=tenant,
-                        credits=self.settings.initial_credits, max_model_len=self.max_model_len)
-        if request.model != self.model_name:
+                        credits=self.settings.initial_credits, max_model_len=self.max_model_len,
+                        limits=self.limits)
+        if request.model not in (self.model_name, self.model_alias or self.model_name):
+            also = f" (or {self.model_alias!r})" if self.model_alias else ""
             raise api.ApiError(404, f"the model {request.model!r} does not exist; this server "
-                               f"serves {self.model_name!r}", type="not_found_error",
+                               f"serves {self.model_name!r}{also}", type="not_found_error",
                                param="model", code="model_not_found")
+        if request.generate.sampling.constrained:
+            await self._check_grammar(request.generate.sampling, api.grammar_param(body))
         for last_try in (False, True):
             stream = await self._open_stream()
             if await self._answer(request, request_id, stream, receive, send, last_try):
@@ -428,6 +460,25 @@ class HttpFront(Actor):
             # refused unseen, so it goes to a stream opened in its place
             if stream is self.stream:
                 self.stream = None
+
+    async def _check_grammar(self, sampling, param: str) -> None:
+        """A 400 naming `param` for a grammar the engine cannot take, or one whose check runs
+        past `limits.max_grammar_compile_ms`: checked on a worker thread, never on the event
+        loop, and remembered (`limits.max_cached_grammars`) so each is checked once."""
+        kind, text = sampling.grammar_kind, sampling.grammar
+        error = self.grammars.get(kind, text)
+        if error is None:
+            limit = self.limits.max_grammar_compile_ms
+            with trio.move_on_after(limit / 1000) as timer:
+                error = await trio.to_thread.run_sync(_grammar_error, kind, text,
+                                                      limiter=self.grammar_checks,
+                                                      abandon_on_cancel=True)
+            if timer.cancelled_caught:
+                raise api.invalid(param, f"checking the grammar took longer than "
+                                  f"limits.max_grammar_compile_ms = {limit}")
+            self.grammars.put(kind, text, error)
+        if error:
+            raise api.invalid(param, f"not a grammar this server can follow: {error}")
 
     async def _answer(self, request: api.ApiRequest, request_id: str, stream: Stream,
                       receive: Callable, send: Callable, last_try: bool) -> bool:

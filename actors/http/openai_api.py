@@ -22,24 +22,34 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.actors.front.limits import Limits
 from sluice.ipc import messages as m
 from sluice.ipc.vocabulary import FinishReason, InvalidParams, RejectCode, SamplingParams, shown
 
 # refused by name: a client that relies on one of them must not get a silent wrong answer
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
-               "echo", "best_of", "logit_bias", "suffix",
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call",
+               "echo", "best_of", "suffix",
                "parallel_tool_calls", "audio", "modalities", "prediction")
 # accepted and without effect on the output
 IGNORED = ("user", "store", "metadata", "service_tier")
 # ours: extensions both endpoints take, as vLLM spells them
-EXTENSIONS = ("top_k", "min_p", "ignore_eos", "priority", "repetition_penalty", "timeout")
+EXTENSIONS = ("top_k", "min_p", "ignore_eos", "priority", "repetition_penalty", "timeout",
+              "guided_json", "guided_regex", "guided_choice", "structured_outputs")
 _COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
-           "stop", "n", "presence_penalty", "frequency_penalty", *EXTENSIONS, *IGNORED)
+           "stop", "n", "presence_penalty", "frequency_penalty", "logit_bias",
+           "response_format", *EXTENSIONS, *IGNORED)
 CHAT_PARAMETERS = frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs",
                              "top_logprobs"))
 COMPLETION_PARAMETERS = frozenset((*_COMMON, "prompt", "logprobs"))
 MAX_LOGPROBS = 20  # alternatives per token, as `SamplingParams` allows
+# the spellings of a grammar a request may use, one at a time: (where, kind) as parsed
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}
+STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
+JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
 CHAT_ROLES = ("system", "user", "assistant", "developer")
+
+
+DEFAULT_LIMITS = Limits()
 
 
 class ApiError(Exception):
@@ -131,24 +141,24 @@ def _refuse_lone_surrogates(body: dict[str, Any]) -> None:
 
 
 def chat_request(body: dict[str, Any], *, request_id: str, tenant: str, credits: int,
-                 max_model_len: int) -> ApiRequest:
+                 max_model_len: int, limits: Limits = DEFAULT_LIMITS) -> ApiRequest:
     _refuse_unknown(body, CHAT_PARAMETERS)
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise invalid("messages", "must be a list of messages")
     chat = tuple(_chat_message(i, message) for i, message in enumerate(messages))
-    return _request(body, request_id, tenant, credits, max_model_len, chat=True,
+    return _request(body, request_id, tenant, credits, max_model_len, limits, chat=True,
                     messages=chat)
 
 
 def completion_request(body: dict[str, Any], *, request_id: str, tenant: str, credits: int,
-                       max_model_len: int) -> ApiRequest:
+                       max_model_len: int, limits: Limits = DEFAULT_LIMITS) -> ApiRequest:
     _refuse_unknown(body, COMPLETION_PARAMETERS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return _request(body, request_id, tenant, credits, max_model_len, chat=False,
+        return _request(body, request_id, tenant, credits, max_model_len, limits, chat=False,
                         prompt=prompt)
     if isinstance(prompt, list) and len(prompt) + 1 > max_model_len:
         # by its length alone: a body may carry millions of ids, none worth looking at
@@ -156,7 +166,7 @@ def completion_request(body: dict[str, Any], *, request_id: str, tenant: str, cr
                        f"max_model_len {max_model_len}", param="prompt",
                        code="context_length_exceeded")
     if isinstance(prompt, list) and all(_is_int(token) for token in prompt):
-        return _request(body, request_id, tenant, credits, max_model_len, chat=False,
+        return _request(body, request_id, tenant, credits, max_model_len, limits, chat=False,
                         prompt_ids=tuple(prompt))
     raise invalid("prompt", "must be a string or a list of token ids (one prompt per request)")
 
@@ -196,7 +206,7 @@ def _chat_message(index: int, message: Any) -> m.ChatMessage:
 
 
 def _request(body: dict[str, Any], request_id: str, tenant: str, credits: int,
-             max_model_len: int, *, chat: bool, **prompt: Any) -> ApiRequest:
+             max_model_len: int, limits: Limits, *, chat: bool, **prompt: Any) -> ApiRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "must name the model (see GET /v1/models)")
@@ -213,13 +223,14 @@ def _request(body: dict[str, Any], request_id: str, tenant: str, credits: int,
     if n is not None and not (_is_int(n) and n == 1):
         raise invalid("n", f"only the integer 1 is supported, got {shown(n)}")
     timeout = None if body.get("timeout") is None else _number(body, "timeout")
-    generate = m.Generate(request_id, sampling=_sampling(body, chat, max_model_len),
+    generate = m.Generate(request_id, sampling=_sampling(body, chat, max_model_len, limits),
                           priority=_typed(body, "priority", int, 0), tenant=tenant,
                           credits=credits, timeout=timeout, **prompt)
     return ApiRequest(generate, chat, stream, include_usage, model)
 
 
-def _sampling(body: dict[str, Any], chat: bool, max_model_len: int) -> SamplingParams:
+def _sampling(body: dict[str, Any], chat: bool, max_model_len: int,
+              limits: Limits) -> SamplingParams:
     max_tokens = body.get("max_tokens")
     name = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
@@ -250,11 +261,126 @@ def _sampling(body: dict[str, Any], chat: bool, max_model_len: int) -> SamplingP
     if body.get("ignore_eos") is not None:
         values["ignore_eos"] = _typed(body, "ignore_eos", bool, False)
     values["logprobs"] = _logprobs(body, chat)
+    bias = _logit_bias(body, limits)
+    if bias:
+        values["logit_bias_ids"], values["logit_bias_values"] = zip(*bias)
+    grammar = _grammar(body, limits)
+    if grammar is not None:
+        values["grammar_kind"], values["grammar"] = grammar
     try:
         return SamplingParams(**values)
     except InvalidParams as exc:
         param = name if exc.field == "max_tokens" else exc.field
         raise invalid(param, exc.message) from None
+
+
+def _logit_bias(body: dict[str, Any], limits: Limits) -> list[tuple[int, float]]:
+    """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]}, at most
+    `limits.max_logit_bias` entries (ids inside the vocabulary are checked with the prompt)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return []
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias", "must be an object of token id (a string) -> bias")
+    if len(bias) > limits.max_logit_bias:
+        raise invalid("logit_bias", f"{len(bias)} entries exceed limits.max_logit_bias = "
+                      f"{limits.max_logit_bias}")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 19):
+            raise invalid("logit_bias", f"key {shown(key)} is not a token id")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise invalid("logit_bias", f"the bias of token {key} must be a number")
+        if not -100 <= value <= 100:
+            raise invalid("logit_bias", f"the bias of token {key} must be in [-100, 100], "
+                          f"got {shown(value)}")
+        pairs.append((int(key), float(value)))
+    return sorted(pairs)
+
+
+def _grammar(body: dict[str, Any], limits: Limits) -> tuple[str, str] | None:
+    """The constraint a request puts on its output as (`grammar_kind`, `grammar`), from
+    `response_format` or vLLM's extensions, or None. At most one of them, and its text
+    within `limits.max_grammar_bytes`; whether it is a grammar is checked by the front."""
+    found: list[tuple[str, str, Any]] = []  # (param, kind, value)
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict) or not isinstance(
+                response_format.get("type"), str):
+            raise invalid("response_format", "must be an object with a type")
+        kind = response_format["type"]
+        if kind == "json_object":
+            found.append(("response_format", "json_schema", JSON_OBJECT))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            where = "response_format.json_schema"
+            if not isinstance(spec, dict):
+                raise invalid(where, "must be an object with name and schema")
+            if set(spec) - {"name", "schema", "strict", "description"}:
+                unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})[0]
+                raise invalid(f"{where}.{unknown}", "unknown field")
+            if not isinstance(spec.get("name", ""), str):
+                raise invalid(f"{where}.name", "must be a string")
+            if not isinstance(spec.get("strict", False), (bool, type(None))):
+                raise invalid(f"{where}.strict", "must be a boolean")
+            schema = spec.get("schema", {})  # OpenAI: no schema is any JSON object
+            if not isinstance(schema, dict):
+                raise invalid(f"{where}.schema", "must be a JSON schema (an object)")
+            found.append((f"{where}.schema", "json_schema", schema or json.loads(JSON_OBJECT)))
+        elif kind != "text":
+            raise invalid("response_format.type", "must be text, json_object or json_schema, "
+                          f"got {shown(kind)}")
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, kind, body[name]))
+    structured = body.get("structured_outputs")
+    if structured is not None:
+        if not isinstance(structured, dict):
+            raise invalid("structured_outputs", "must be an object")
+        for name, value in structured.items():
+            if name not in STRUCTURED:
+                raise invalid(f"structured_outputs.{name}", "is not supported by this server")
+            if value is not None:
+                found.append((f"structured_outputs.{name}", STRUCTURED[name], value))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise invalid(found[1][0], f"only one constraint per request: {found[0][0]} is given")
+    param, kind, value = found[0]
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise invalid(param, "is not JSON") from None
+        if not isinstance(value, (dict, bool)):
+            raise invalid(param, "must be a JSON schema (an object)")
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    elif kind == "choice":
+        if (not isinstance(value, list) or not value
+                or not all(isinstance(c, str) and c for c in value)):
+            raise invalid(param, "must be a non-empty list of non-empty strings")
+        text = json.dumps(value, separators=(",", ":"))
+    else:
+        if not isinstance(value, str) or not value:
+            raise invalid(param, "must be a non-empty string")
+        text = value
+    size = len(text.encode())
+    if size > limits.max_grammar_bytes:
+        raise invalid(param, f"{size} bytes exceed limits.max_grammar_bytes = "
+                      f"{limits.max_grammar_bytes}")
+    return kind, text
+
+
+def grammar_param(body: dict[str, Any]) -> str:
+    """Which parameter of a body carried its grammar (what an error about it names)."""
+    if isinstance(body.get("response_format"), dict):
+        return ("response_format.json_schema.schema"
+                if body["response_format"].get("type") == "json_schema" else "response_format")
+    for name in GUIDED:
+        if body.get(name) is not None:
+            return name
+    return "structured_outputs"
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:

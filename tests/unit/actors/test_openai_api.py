@@ -50,7 +50,7 @@ def test_max_tokens_omitted_runs_up_to_the_context() -> None:
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),
