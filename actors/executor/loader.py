@@ -98,9 +98,11 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
         elif permuted and name.endswith((".k_proj", ".k_bias")):
             values = _unpermute_rotary_rows(values, config.num_kv_heads)
         weights[name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+    where = f"{path} (architecture {arch})"
     _split_fused(weights, sources, config)
     _split_experts(weights, sources, config)
-    _check_weights(config, weights, sources, f"{path} (architecture {arch})")
+    _stack_experts(weights, sources, config, where)
+    _check_weights(config, weights, sources, where)
     return config, weights
 
 
@@ -199,9 +201,10 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict
             raise
         except Exception as exc:
             raise ModelLoadError(f"{file}: unreadable safetensors file ({exc})") from exc
-    if model_type == "phi3":
-        _split_fused(weights, sources, config)
-    _check_weights(config, weights, sources, f"{folder} (model_type {model_type})")
+    where = f"{folder} (model_type {model_type})"
+    _split_fused(weights, sources, config)
+    _stack_experts(weights, sources, config, where)
+    _check_weights(config, weights, sources, where)
     return config, weights
 
 
@@ -223,6 +226,31 @@ def _split_fused(weights: dict[str, torch.Tensor], sources: dict[str, str],
         for part, piece in zip(parts, weight.split(rows)):
             weights[f"{prefix}.{part}"] = piece
             sources[f"{prefix}.{part}"] = sources[name]
+
+
+def _stack_experts(weights: dict[str, torch.Tensor], sources: dict[str, str],
+                   config: ModelConfig, where: str) -> None:
+    """Each MoE layer's experts as two tensors, [experts, 2 * rows, hidden] for gate then up
+    and [experts, hidden, rows] for down, built one layer at a time: the model takes them
+    as they are, so a MoE model never holds its experts twice while it loads."""
+    rows, hidden = config.moe_intermediate_size, config.hidden_size
+    shapes = {"gate_proj": (rows, hidden), "up_proj": (rows, hidden), "down_proj": (hidden, rows)}
+    for layer in filter(config.is_moe_layer, range(config.num_layers)):
+        prefix = f"layers.{layer}."
+        pieces: dict[str, list[torch.Tensor]] = {matrix: [] for matrix in shapes}
+        for expert in range(config.num_experts):
+            for matrix, shape in shapes.items():
+                name = f"{prefix}experts.{expert}.{matrix}"
+                if name not in weights:
+                    raise ModelLoadError(f"{where}: weight {name!r} is missing")
+                weight = weights.pop(name)
+                if tuple(weight.shape) != shape:
+                    raise ModelLoadError(f"{sources[name]} has shape {tuple(weight.shape)}, "
+                                         f"the config gives {shape}")
+                pieces[matrix].append(weight)
+        weights[prefix + "experts_gate_up"] = torch.cat(
+            [torch.stack(pieces["gate_proj"]), torch.stack(pieces["up_proj"])], dim=1)
+        weights[prefix + "experts_down"] = torch.stack(pieces["down_proj"])
 
 
 def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor],

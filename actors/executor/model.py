@@ -98,14 +98,9 @@ class LlamaModel:
                 layer.mlp_out_norm = take_norm(prefix + "mlp_out_norm")
             layer.gate_up = layer.down = layer.moe = None
             if config.is_moe_layer(i):
-                experts = range(config.num_experts)
-                layer.moe = MoEMLP(
-                    take(prefix + "router"),
-                    torch.stack([torch.cat([take(f"{prefix}experts.{e}.gate_proj"),
-                                            take(f"{prefix}experts.{e}.up_proj")])
-                                 for e in experts]),
-                    torch.stack([take(f"{prefix}experts.{e}.down_proj") for e in experts]),
-                    config.num_experts_per_tok, config.norm_topk_prob, self.activation)
+                layer.moe = MoEMLP(take(prefix + "router"), take(prefix + "experts_gate_up"),
+                                   take(prefix + "experts_down"), config.num_experts_per_tok,
+                                   config.norm_topk_prob, self.activation)
             else:
                 layer.gate_up = torch.cat([take(prefix + "gate_proj"), take(prefix + "up_proj")])
                 layer.down = take(prefix + "down_proj")
@@ -276,12 +271,10 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "o_proj": (h, q),
         })
         if config.is_moe_layer(i):
-            inter = config.moe_intermediate_size
-            shapes[p + "router"] = (config.num_experts, h)
-            for e in range(config.num_experts):
-                shapes.update({f"{p}experts.{e}.gate_proj": (inter, h),
-                               f"{p}experts.{e}.up_proj": (inter, h),
-                               f"{p}experts.{e}.down_proj": (h, inter)})
+            experts, inter = config.num_experts, config.moe_intermediate_size
+            shapes.update({p + "router": (experts, h),
+                           p + "experts_gate_up": (experts, 2 * inter, h),  # gate rows, up rows
+                           p + "experts_down": (experts, h, inter)})
         else:
             inter = config.intermediate_size
             shapes.update({p + "gate_proj": (inter, h), p + "up_proj": (inter, h),

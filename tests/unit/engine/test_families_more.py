@@ -143,6 +143,15 @@ def test_mixture_of_experts_matches_transformers(tmp_path, smollm_tokenizer, fam
     assert (config.num_experts, config.num_experts_per_tok) == (4, 2)
     assert [config.is_moe_layer(i) for i in range(2)] == [True, family == "mixtral"]
     assert_matches_transformers(reference, tmp_path, smollm_tokenizer)
+    if family == "mixtral":  # one expert's matrix left out
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(tmp_path / "model.safetensors")
+        del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+        save_file(tensors, tmp_path / "model.safetensors")
+        with pytest.raises(ModelLoadError, match=r"\(model_type mixtral\): weight "
+                                                 r"'layers.1.experts.2.up_proj' is missing"):
+            load_weights(tmp_path, torch.float32)
 
 
 def write_config(folder, **changes) -> None:
