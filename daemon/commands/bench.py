@@ -23,8 +23,10 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from sluice.daemon.commands.bench_record import Sample
 
 if TYPE_CHECKING:
     from sluice.daemon.commands.bench_record import DaemonWatch
@@ -60,27 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-@dataclass
-class Sample:
-    tenant: str
-    start: float
-    ttft: float | None = None
-    e2e: float = 0.0
-    tokens: int = 0
-    itl: list[float] = field(default_factory=list)
-    rejected: str | None = None  # the refusal code
-    finish_reason: str | None = None
-    # as the daemon counted them in the request's usage; None until it said
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.tokens - 1)
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:

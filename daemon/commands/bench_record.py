@@ -9,12 +9,15 @@ after the load starts, so a short load is seen full) and the most blocks in use 
 sample kept, before and after the load included. Samples miss what happens between them:
 the peak is at most the true one, and `samples` says how many were taken during the load.
 
+Also each request's `Sample`, as both fronts' load drivers record it.
+
 What does not belong here: driving the load and the latency report (see `bench`).
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 
 import trio
 
@@ -137,3 +140,24 @@ def header(run: dict) -> list[str]:
     lines.append(f"kv      peak {kv['peak_used_blocks']}/{kv['total_blocks']} blocks  "
                  f"end {kv['used_blocks_at_end']}  (sampled {kv['samples']}x during the load)")
     return lines
+
+
+@dataclass
+class Sample:
+    tenant: str
+    start: float
+    ttft: float | None = None
+    e2e: float = 0.0
+    tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    rejected: str | None = None  # the refusal code
+    finish_reason: str | None = None
+    # as the daemon counted them in the request's usage; None until it said
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.tokens - 1)

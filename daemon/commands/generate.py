@@ -6,13 +6,13 @@ the same text or `--json` object."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
+from sluice.daemon.commands.one_request import DEFAULT_CONNECT, parse_prompt_ids, print_result
+
 # the names only, kept here so the CLI's --help does not import torch
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-DEFAULT_CONNECT = "tcp://127.0.0.1:7340"  # where `sluiced serve` listens by default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,16 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def parse_prompt_ids(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--prompt-ids: not a comma-separated list of integers: {text!r}") from None
-    if not ids:
-        raise ValueError("--prompt-ids: empty")
-    return ids
-
-
 def sampling_from_args(args):
     from sluice.actors.scheduler.plan import SamplingParams
 
@@ -60,19 +50,6 @@ def sampling_from_args(args):
         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-
-
-def print_result(args, text: str, token_ids: list[int], finish_reason: str, usage: dict) -> None:
-    if args.json:
-        print(json.dumps({
-            "text": text,
-            "token_ids": token_ids,
-            "finish_reason": finish_reason,
-            "usage": {"prompt_tokens": usage["prompt_tokens"],
-                      "completion_tokens": usage["completion_tokens"]},
-        }))
-    else:
-        print(text)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
-from sluice.daemon.commands.bench import Sample
+from sluice.daemon.commands.bench_record import Sample
 
 _RECEIVE_BYTES = 65536
 

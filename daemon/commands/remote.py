@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 
-from sluice.daemon.commands.generate import DEFAULT_CONNECT, parse_prompt_ids, print_result
+from sluice.daemon.commands.one_request import DEFAULT_CONNECT, parse_prompt_ids, print_result
 
 PROBE_SECONDS = 2.0
 
