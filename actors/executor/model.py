@@ -114,6 +114,10 @@ class LlamaModel:
         # memory grows for as long as new step sizes turn up. Rows padded to a few sizes per
         # octave (at most 1/16 more work) bound what it keeps; `warm_row_counts` fills it.
         self.pads_rows = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+        # where the ranks of a tensor-parallel group meet (see tensor_parallel.py): the sum of
+        # their o_proj and down outputs, and the logits of every rank's vocabulary rows
+        self.all_reduce = _identity
+        self.gather_logits = _identity
 
     @classmethod
     def random(cls, config: ModelConfig, device="cpu", dtype=torch.float32,
@@ -176,8 +180,8 @@ class LlamaModel:
                 softcap=cfg.attn_softcap,
             )
             attended = attended.view(-1, q_size)
-            hidden = F.linear(F.pad(attended, (0, 0, 0, pad)) if pad else attended,
-                              layer.o_proj)
+            hidden = self.all_reduce(F.linear(F.pad(attended, (0, 0, 0, pad)) if pad
+                                              else attended, layer.o_proj))
             if layer.attn_out_norm is not None:
                 hidden, _ = _add_rms_norm(hidden, None, layer.attn_out_norm, cfg.rms_norm_eps)
             normed, residual = _add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
@@ -186,6 +190,7 @@ class LlamaModel:
             else:
                 gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
                 hidden = F.linear(self.activation(gate) * up, layer.down)
+            hidden = self.all_reduce(hidden)
             if layer.mlp_out_norm is not None:
                 hidden, _ = _add_rms_norm(hidden, None, layer.mlp_out_norm, cfg.rms_norm_eps)
         normed, _ = _add_rms_norm(hidden, residual, self.final_norm, cfg.rms_norm_eps)
@@ -197,7 +202,7 @@ class LlamaModel:
         pad = self.padded_rows(rows) - rows
         if pad:
             hidden = F.pad(hidden, (0, 0, 0, pad))
-        logits = F.linear(hidden, self.lm_head)[:rows]
+        logits = self.gather_logits(F.linear(hidden, self.lm_head))[:rows]
         if self.config.final_softcap:  # Gemma 2's, in the model dtype as transformers does
             logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
         return logits.float()
@@ -229,6 +234,11 @@ class LlamaModel:
         for rows in sorted({self.padded_rows(n) for n in range(1, max_rows + 1)}):
             for weight, bias in matmuls:
                 F.linear(inputs[weight.shape[1]][:rows], weight, bias)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
 
 def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
