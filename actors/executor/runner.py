@@ -56,6 +56,10 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or self.config.max_context,
                                  self.config.max_context)
         self._out_of_memory_next = False  # a test fault, see `inject_out_of_memory`
+        # grammar matchers, made for the first constrained request; set before the profiling
+        # step below, which runs like any other
+        self._constraints = None
+        self._mask_thread: ThreadPoolExecutor | None = None
         model.warm_row_counts(max(1, profile_tokens))  # before sizing: what it keeps counts
         self.kv_sizing: KVSizing | None = None  # how the pool was sized, when it was profiled
         if num_blocks:
@@ -71,8 +75,6 @@ class ModelRunner:
                                                  max_bytes=kv_max_bytes)
             self.num_blocks = self.kv_sizing.num_blocks
         self.kv_pool = model.new_kv_pool(self.num_blocks, block_size)
-        self._constraints = None  # grammar matchers, made for the first constrained request
-        self._mask_thread: ThreadPoolExecutor | None = None
 
     @property
     def constraints(self):
