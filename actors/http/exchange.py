@@ -87,6 +87,7 @@ class Exchange:
         self.credit_batch = max(1, request.generate.credits // 2)
         self.credits_owed = 0
         self.delta_event = api.DeltaEvents(request, request_id, self.created)
+        self.first_token: trio.Event | None = None  # set at the first chunk, when given
 
     async def run(self) -> None:
         while True:  # everything that waits is answered together, in one write
@@ -101,6 +102,8 @@ class Exchange:
         events: list[bytes] = []
         for item in items:
             if isinstance(item, m.Chunk):
+                if self.first_token is not None:
+                    self.first_token.set()
                 self.credits_owed += 1
                 if self.request.stream:
                     events.append(self._chunk_event(item))

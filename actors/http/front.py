@@ -38,7 +38,9 @@ OpenAI shapes (`actors.http.openai_api`).
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
+import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -76,6 +78,18 @@ def model_alias(model_name: str) -> str | None:
     for suffix in (".gguf", ".safetensors", ".bin"):
         name = name.removesuffix(suffix)
     return name if name and name != model_name else None
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error a request's client gets from a group of its choices' errors: an HTTP one
+    first, then a gone client, else the group as it is."""
+    for kind in (api.ApiError, ClientGone):
+        matched, _ = group.split(kind)
+        if matched is not None:
+            while isinstance(matched, BaseExceptionGroup):
+                matched = matched.exceptions[0]
+            return matched
+    return group
 
 
 def _grammar_error(kind: str, text: str) -> str:
@@ -452,6 +466,9 @@ class HttpFront(Actor):
                                param="model", code="model_not_found")
         if request.generate.sampling.constrained:
             await self._check_grammar(request.generate.sampling, api.grammar_param(body))
+        if request.n > 1:
+            await self._generate_choices(request, request_id, receive, send)
+            return
         for last_try in (False, True):
             stream = await self._open_stream()
             if await self._answer(request, request_id, stream, receive, send, last_try):
@@ -460,6 +477,52 @@ class HttpFront(Actor):
             # refused unseen, so it goes to a stream opened in its place
             if stream is self.stream:
                 self.stream = None
+
+    async def _generate_choices(self, request: api.ApiRequest, request_id: str,
+                                receive: Callable, send: Callable) -> None:
+        """n > 1: one request per choice, each with its own seed stream, answered as one
+        completion. The first choice runs alone until its first token, so its prompt's
+        blocks are in the prefix cache when the others come and they hold them with it."""
+        bodies: list[dict | None] = [None] * request.n
+        first_token = trio.Event()
+
+        async def choice(index: int) -> None:
+            sampling = request.generate.sampling
+            if sampling.seed is not None:
+                sampling = dataclasses.replace(sampling,
+                                               seed=api.choice_seed(sampling.seed, index))
+            sub_id = f"{request_id}-{index}"
+            sub = dataclasses.replace(request, n=1, generate=dataclasses.replace(
+                request.generate, request_id=sub_id, sampling=sampling))
+            sent: list[dict] = []
+
+            async def capture(message: dict) -> None:
+                sent.append(message)
+
+            for last_try in (False, True):
+                stream = await self._open_stream()
+                if await self._answer(sub, sub_id, stream, trio.sleep_forever, capture,
+                                      last_try, first_token if index == 0 else None):
+                    break
+                if stream is self.stream:
+                    self.stream = None
+            first_token.set()  # a first choice that ended without a token
+            bodies[index] = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)
+                async with trio.open_nursery() as choices:
+                    choices.start_soon(choice, 0)
+                    await first_token.wait()
+                    for index in range(1, request.n):
+                        choices.start_soon(choice, index)
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # a choice's error is the request's
+            raise _first_error(group) from None
+        if any(body is None for body in bodies):
+            raise ClientGone
+        await send_json(send, 200, api.merge_choices(bodies, request_id))
 
     async def _check_grammar(self, sampling, param: str) -> None:
         """A 400 naming `param` for a grammar the engine cannot take, or one whose check runs
@@ -481,12 +544,14 @@ class HttpFront(Actor):
             raise api.invalid(param, f"not a grammar this server can follow: {error}")
 
     async def _answer(self, request: api.ApiRequest, request_id: str, stream: Stream,
-                      receive: Callable, send: Callable, last_try: bool) -> bool:
+                      receive: Callable, send: Callable, last_try: bool,
+                      first_token: trio.Event | None = None) -> bool:
         """Answer `request` through `stream`; False when the stream was found closed, the
         request refused before anything was done for it, and `last_try` is false."""
         replies = Replies()
         exchange = Exchange(request, request_id, stream.inbox, replies, send,
                             self.settings.retry_after)
+        exchange.first_token = first_token
         self.router.routes[request_id] = replies  # removed below, however the exchange ends
         try:
             stream.inbox.put(request.generate)

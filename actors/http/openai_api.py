@@ -84,6 +84,7 @@ class ApiRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last event with the usage
     model: str
+    n: int = 1  # choices: each its own request, with its own seed stream
 
     @property
     def logprobs(self) -> bool:
@@ -219,14 +220,17 @@ def _request(body: dict[str, Any], request_id: str, tenant: str, credits: int,
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise invalid("stream_options", "only include_usage is supported")
         include_usage = _typed(options, "include_usage", bool, False, "stream_options.")
-    n = body.get("n")
-    if n is not None and not (_is_int(n) and n == 1):
-        raise invalid("n", f"only the integer 1 is supported, got {shown(n)}")
+    n = 1 if body.get("n") is None else body["n"]
+    if not _is_int(n) or not 1 <= n <= limits.max_n:
+        raise invalid("n", f"must be an integer in [1, limits.max_n = {limits.max_n}], "
+                      f"got {shown(n)}")
+    if n > 1 and stream:
+        raise invalid("n", "more than one choice is answered without stream only")
     timeout = None if body.get("timeout") is None else _number(body, "timeout")
     generate = m.Generate(request_id, sampling=_sampling(body, chat, max_model_len, limits),
                           priority=_typed(body, "priority", int, 0), tenant=tenant,
                           credits=credits, timeout=timeout, **prompt)
-    return ApiRequest(generate, chat, stream, include_usage, model)
+    return ApiRequest(generate, chat, stream, include_usage, model, n)
 
 
 def _sampling(body: dict[str, Any], chat: bool, max_model_len: int,
@@ -495,6 +499,29 @@ def usage(accepted_prompt: int, finished: m.Finished | None) -> dict[str, Any]:
 
 
 # -- response bodies ------------------------------------------------------------------------
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded `seed`: choice 0 keeps it (the answer
+    with n = 1), the others each get a stream of their own."""
+    if index == 0:
+        return seed
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03) % (1 << 63)
+
+
+def merge_choices(bodies: list[dict[str, Any]], request_id: str) -> dict[str, Any]:
+    """One completion object of n choices from the n single-choice ones; the prompt counted
+    once, the choices' cached prompt tokens (prefix-cache hits) summed."""
+    merged = dict(bodies[0])
+    merged["id"] = response_id(merged["object"] == "chat.completion", request_id)
+    merged["choices"] = [dict(body["choices"][0], index=i) for i, body in enumerate(bodies)]
+    prompt = bodies[0]["usage"]["prompt_tokens"]
+    completion = sum(body["usage"]["completion_tokens"] for body in bodies)
+    cached = sum(body["usage"]["prompt_tokens_details"]["cached_tokens"] for body in bodies)
+    merged["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                       "total_tokens": prompt + completion,
+                       "prompt_tokens_details": {"cached_tokens": cached}}
+    return merged
 
 
 def response_id(chat: bool, request_id: str) -> str:

@@ -213,7 +213,7 @@ async def test_each_refusal_has_its_status_and_names_its_parameter(null_daemon) 
             (dict(temperature=-1), "temperature"),
             (dict(top_p=0), "top_p"),
             (dict(max_tokens=0), "max_tokens"),
-            (dict(n=2), "n"),
+            (dict(n=1000), "n"),
             (dict(top_logprobs=2), "top_logprobs"),
             (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
             (dict(response_format={"type": "xml"}), "response_format.type"),

@@ -204,3 +204,35 @@ def model_daemon_token_id(text: str) -> int:
     ids = tokenizer.backend.encode(text, add_special_tokens=False).ids
     assert len(ids) == 1, (text, ids)
     return ids[0]
+
+
+async def test_n_choices_share_the_prompt_and_each_has_its_seed(model_daemon) -> None:
+    client = client_for(model_daemon)
+    model = (await trio.to_thread.run_sync(client.models.list)).data[0].id
+    prompt = "Write a short story about a lighthouse keeper and the sea: " * 3
+
+    def run():
+        many = client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                         temperature=1.0, seed=11, n=4)
+        one = client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                        temperature=1.0, seed=11)
+        with pytest.raises(openai.BadRequestError) as streamed:
+            client.completions.create(model=model, prompt=prompt, max_tokens=8, n=2,
+                                      stream=True)
+        with pytest.raises(openai.BadRequestError) as too_many:
+            client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                      n=Limits().max_n + 1)
+        return many, one, streamed.value, too_many.value
+
+    with trio.fail_after(240):
+        many, one, streamed, too_many = await trio.to_thread.run_sync(run)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in many.choices]
+    assert texts[0] == one.choices[0].text  # choice 0 is the n = 1 answer
+    assert len(set(texts)) > 1
+    # the three later choices found the first one's full prompt blocks in the prefix cache
+    block = 16
+    shared = many.usage.prompt_tokens // block * block
+    assert many.usage.prompt_tokens_details.cached_tokens >= 3 * (shared - block) > 0
+    assert len(many.choices) <= many.usage.completion_tokens <= 4 * 8
+    assert streamed.param == "n" and "limits.max_n" in too_many.message
