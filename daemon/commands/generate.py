@@ -65,18 +65,18 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         sampling = sampling_from_args(args)
+        if args.chat is not None:  # a bad flag is told before the model loads
+            prompt = {"messages": [{"role": "user", "content": args.chat}]}
+        elif args.prompt_ids is not None:
+            prompt = {"prompt_token_ids": parse_prompt_ids(args.prompt_ids)}
+        else:
+            prompt = {"prompt": args.prompt}
         name, size = model_label(args.model)
         print(f"loading model {name} ({size}) ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         engine = Engine(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
         print(f"model loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr,
               flush=True)
-        if args.chat is not None:
-            prompt = {"messages": [{"role": "user", "content": args.chat}]}
-        elif args.prompt_ids is not None:
-            prompt = {"prompt_token_ids": parse_prompt_ids(args.prompt_ids)}
-        else:
-            prompt = {"prompt": args.prompt}
         request_id = engine.add_request(sampling=sampling, **prompt)
         text, token_ids, finished = [], [], None
         while finished is None:
