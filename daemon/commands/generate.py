@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--json-schema", metavar="FILE", default=None,
+                        help="a JSON schema the output follows (its file)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -48,8 +50,29 @@ def sampling_from_args(args):
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
+        ignore_eos=args.ignore_eos, **grammar_from_args(args),
     )
+
+
+def grammar_from_args(args) -> dict:
+    """SamplingParams' grammar fields from --json-schema FILE (none without it)."""
+    if getattr(args, "json_schema", None) is None:
+        return {}
+    from sluice.ipc.vocabulary import grammar_of
+
+    try:
+        with open(args.json_schema, encoding="utf-8") as file:
+            text = file.read()
+    except OSError as exc:
+        raise ValueError(f"--json-schema: {exc.strerror}: {args.json_schema}") from None
+    from sluice.actors.executor.grammar import GrammarError, check
+
+    kind, grammar = grammar_of(json_schema=text)
+    try:  # told here, before a model loads or a daemon is asked
+        check(kind, grammar)
+    except GrammarError as exc:
+        raise ValueError(f"--json-schema: {exc}") from None
+    return {"grammar_kind": kind, "grammar": grammar}
 
 
 def run(args: argparse.Namespace) -> int:

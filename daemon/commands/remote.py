@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 
+from sluice.daemon.commands.generate import grammar_from_args
 from sluice.daemon.commands.one_request import DEFAULT_CONNECT, parse_prompt_ids, print_result
 
 PROBE_SECONDS = 2.0
@@ -23,6 +24,9 @@ def request_kwargs(args: argparse.Namespace) -> dict:
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=list(args.stop),
                   ignore_eos=args.ignore_eos)
+    grammar = grammar_from_args(args)
+    if grammar:
+        kwargs["json_schema"] = grammar["grammar"]
     if args.chat is not None:
         kwargs["messages"] = [{"role": "user", "content": args.chat}]
     elif args.prompt_ids is not None:
