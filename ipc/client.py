@@ -24,7 +24,7 @@ import itertools
 import os
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
 from sluice.ipc.errors import DaemonGone, InvalidRequestError, SluiceError, error_for
 from sluice.ipc.sockets import Socket
-from sluice.ipc.vocabulary import InvalidParams, SamplingParams
+from sluice.ipc.vocabulary import InvalidParams, SamplingParams, choice_seed, grammar_of
 
 
 _FRAMES_PER_TURN = 64  # frames the receive loop routes in one turn of the event loop, at most
@@ -241,19 +241,31 @@ class AsyncClient:
         stop: Sequence[str] = (), ignore_eos: bool = False, priority: int = 0,
         tenant: str | None = None, stop_token_ids: Sequence[int] = (), logprobs: bool = False,
         top_logprobs: int = 0, timeout: float | None = None,
+        json_schema: dict | str | None = None, regex: str | None = None,
+        choices: Sequence[str] | None = None, grammar: str | None = None,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> AsyncGeneration:
         """Send a request and wait until the daemon accepts it; raise if it refuses.
 
         `logprobs` asks for each sampled token's logprob, `top_logprobs` (which implies it)
         for that many of the most likely tokens at each position as well. `timeout`: seconds
-        after which the daemon ends the request with `timeout`, waiting or running."""
+        after which the daemon ends the request with `timeout`, waiting or running.
+        At most one of `json_schema` (an object or its text), `regex`, `choices` (the output
+        is one of them) and `grammar` (Lark) constrains the output; `logit_bias` maps token
+        ids to what is added to their logits, in [-100, 100]. A grammar the daemon's engine
+        cannot build lets the request end at once, with no text."""
         rid = str(next(self._ids))
         try:  # refused here as the daemon would refuse it, without a round trip
+            kind, text = grammar_of(json_schema, regex, choices, grammar)
+            bias = sorted((logit_bias or {}).items())
             sampling = SamplingParams(
                 max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                 top_k=top_k, min_p=float(min_p), seed=seed, stop=tuple(stop),
                 stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
-                logprobs=top_logprobs if logprobs or top_logprobs else None)
+                logprobs=top_logprobs if logprobs or top_logprobs else None,
+                logit_bias_ids=tuple(int(t) for t, _ in bias),
+                logit_bias_values=tuple(float(b) for _, b in bias),
+                grammar_kind=kind, grammar=text)
         except InvalidParams as exc:
             raise InvalidRequestError(exc.message, field=f"sampling.{exc.field}",
                                       request_id=rid) from None
@@ -283,6 +295,19 @@ class AsyncClient:
         else:  # an Error or Finished before acceptance: the iteration will show it
             pending.items.appendleft(first)
         return generation
+
+    async def generate_choices(self, prompt: str | None = None, *, n: int,
+                               seed: int | None = None, **kwargs: Any) -> list[AsyncGeneration]:
+        """`n` requests for the same prompt, as OpenAI's `n`: each choice its own seed stream
+        (choice 0 keeps `seed`). The first is sent and accepted before the others, which
+        then find its prompt blocks in the prefix cache once it has computed them."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}", field="n")
+        generations = []
+        for index in range(n):
+            choice = None if seed is None else choice_seed(seed, index)
+            generations.append(await self.generate(prompt, seed=choice, **kwargs))
+        return generations
 
     async def status(self) -> m.ServerInfo:
         """What any client may know: protocol version and model name."""

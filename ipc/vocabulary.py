@@ -189,6 +189,45 @@ _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 INT64_MAX = 2**63 - 1  # the largest integer a request may carry anywhere
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request of n choices seeded `seed`: choice 0 keeps it
+    (the answer with n = 1), the others each get a stream of their own."""
+    if index == 0:
+        return seed
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03) % (1 << 63)
+
+
+def grammar_of(json_schema: object = None, regex: str | None = None,
+               choices: object = None, lark: str | None = None) -> tuple[str, str]:
+    """(`grammar_kind`, `grammar`) from at most one of a JSON schema (an object or its
+    text), a regular expression, a list of choices or a Lark grammar; ("", "") for none."""
+    import json
+
+    given = [(kind, value) for kind, value in (("json_schema", json_schema), ("regex", regex),
+                                               ("choice", choices), ("lark", lark))
+             if value is not None]
+    if not given:
+        return "", ""
+    if len(given) > 1:
+        raise InvalidParams(given[1][0], f"only one constraint per request: {given[0][0]} "
+                            "is given")
+    kind, value = given[0]
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise InvalidParams("grammar", "the JSON schema is not JSON") from None
+        if not isinstance(value, (dict, bool)):
+            raise InvalidParams("grammar", "a JSON schema is an object")
+        return kind, json.dumps(value, sort_keys=True, separators=(",", ":"))
+    if kind == "choice":
+        if isinstance(value, str) or not all(isinstance(c, str) and c for c in value):
+            raise InvalidParams("grammar", "choices are a list of non-empty strings")
+        return kind, json.dumps(list(value), separators=(",", ":"))
+    return kind, value
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

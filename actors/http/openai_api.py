@@ -24,7 +24,9 @@ from typing import Any
 
 from sluice.actors.front.limits import Limits
 from sluice.ipc import messages as m
-from sluice.ipc.vocabulary import FinishReason, InvalidParams, RejectCode, SamplingParams, shown
+from sluice.ipc.vocabulary import (
+    FinishReason, InvalidParams, RejectCode, SamplingParams, choice_seed, shown,
+)
 
 # refused by name: a client that relies on one of them must not get a silent wrong answer
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call",
@@ -499,14 +501,6 @@ def usage(accepted_prompt: int, finished: m.Finished | None) -> dict[str, Any]:
 
 
 # -- response bodies ------------------------------------------------------------------------
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """The seed of choice `index` of a request seeded `seed`: choice 0 keeps it (the answer
-    with n = 1), the others each get a stream of their own."""
-    if index == 0:
-        return seed
-    return (seed * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03) % (1 << 63)
 
 
 def merge_choices(bodies: list[dict[str, Any]], request_id: str) -> dict[str, Any]:
