@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from sluice.actors.front.limits import Limits
+from sluice.ipc.client import AsyncClient
 
 PERSON = {
     "type": "object",
@@ -236,3 +237,17 @@ async def test_n_choices_share_the_prompt_and_each_has_its_seed(model_daemon) ->
     assert many.usage.prompt_tokens_details.cached_tokens >= 3 * (shared - block) > 0
     assert len(many.choices) <= many.usage.completion_tokens <= 4 * 8
     assert streamed.param == "n" and "limits.max_n" in too_many.message
+
+
+async def test_the_zeromq_client_sends_a_schema_and_n_choices(model_daemon) -> None:
+    async with AsyncClient(model_daemon.listen, daemon_timeout=120) as client:
+        with trio.fail_after(240):
+            whole = await (await client.generate(messages=ASK, max_tokens=40, temperature=0,
+                                                 json_schema=PERSON)).collect()
+            choices = await client.generate_choices("Pick a colour:", n=2, max_tokens=4,
+                                                    temperature=1.0, seed=4,
+                                                    choices=["red", "green", "blue"])
+            picked = [(await c.collect()).text for c in choices]
+    assert whole.finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.text), PERSON)
+    assert all(p in ("red", "green", "blue") for p in picked)
