@@ -1,7 +1,7 @@
 """The Executor actor: owns the worker process and relays step plans and results.
 
 Plans come already in the worker's encoding and results go to the Scheduler as the worker
-wrote them (`worker.PlanFrame`, `worker.ResultFrame`): this actor forwards their bytes and
+wrote them (`protocol.PlanFrame`, `protocol.ResultFrame`): this actor forwards their bytes and
 never decodes or re-encodes a step.
 
 It spawns the worker, waits for its `hello`, verifies it with a known-answer forward (the
@@ -39,12 +39,16 @@ from sluice.actors.runtime import messages as am
 from sluice.actors.runtime.base import Actor, Handler, Outbox, Outboxes
 from sluice.actors.executor import worker
 from sluice.actors.executor.memory import DEFAULT_KV_MEMORY_FRACTION
-from sluice.actors.executor.worker import (
+from sluice.actors.executor.protocol import (
     RESULT,
+    HealthAnswer,
+    HealthCheck,
+    Hello,
     InjectOutOfMemory,
     PlanFrame,
     ResultFrame,
     StepOutOfMemory,
+    WorkerError,
 )
 from sluice.actors.runtime.reports import WorkerFacts, WorkerQuery, WorkerState
 from sluice.ipc.sockets import Socket
@@ -327,14 +331,14 @@ class Executor(Actor):
 
     async def _handshake(self) -> None:
         hello = await self._receive()
-        if not isinstance(hello, worker.Hello):
+        if not isinstance(hello, Hello):
             raise WorkerStartError(f"expected a Hello, got {_said(hello)}")
         facts = hello.facts
         if self.facts is not None and facts != self.facts:
             raise WorkerStartError(f"worker came back different: {facts} != {self.facts}")
-        await self.sock.send(worker.encode(worker.HealthCheck()))
+        await self.sock.send(worker.encode(HealthCheck()))
         answer = await self._receive()
-        if not isinstance(answer, worker.HealthAnswer):
+        if not isinstance(answer, HealthAnswer):
             raise WorkerStartError(f"health check failed: {_said(answer)}")
         if self.known_answer is None:
             self.known_answer = answer.token
@@ -401,4 +405,4 @@ class Executor(Actor):
 
 def _said(msg: object) -> str:
     """A worker's unexpected message, for a log line or an error."""
-    return msg.message if isinstance(msg, worker.WorkerError) else f"a {type(msg).__name__}"
+    return msg.message if isinstance(msg, WorkerError) else f"a {type(msg).__name__}"

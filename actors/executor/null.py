@@ -18,7 +18,9 @@ from collections.abc import Sequence
 
 from sluice.actors.runtime import messages as am
 from sluice.actors.runtime.base import Actor, Handler, Outbox, Outboxes
-from sluice.actors.executor.worker import InjectOutOfMemory, PlanFrame, ResultFrame, StepOutOfMemory
+from sluice.actors.executor.protocol import (
+    InjectOutOfMemory, PlanFrame, ResultFrame, StepOutOfMemory,
+)  # fmt: skip
 from sluice.actors.runtime.registry import CODEC
 from sluice.actors.runtime.reports import WorkerFacts, WorkerQuery, WorkerState
 from sluice.actors.scheduler.plan import SamplingParams, StepPlan, StepResult

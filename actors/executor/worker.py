@@ -9,29 +9,26 @@ parent, whatever it is doing then: a worker left behind by a killed daemon would
 memory (and a GPU) for nobody. It ignores SIGINT (a terminal's Ctrl-C is the daemon's, which
 stops its worker after draining).
 
-The protocol on this socket lives here too, so both ends share it: typed messages (`Hello`,
-`HealthCheck`, `HealthAnswer`, `WorkerError`, `StepOutOfMemory`, the test fault
-`InjectOutOfMemory`, and the core's `StepPlan` and `StepResult`)
-packed by the daemon's one registry (`actors.runtime.registry.CODEC`). A plan is encoded once, by
-the Scheduler actor, and a result decoded once, by the Scheduler actor: the Executor relays
-both as bytes (`PlanFrame`, `ResultFrame`), which is why a result comes as two frames,
-`result` and its body, so the Executor can tell it from an error unread.
+The messages on this socket are in `protocol.py`; they are packed here, by the daemon's one
+registry (`actors.runtime.registry.CODEC`), with the encoders both ends use.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
+from sluice.actors.executor.protocol import (
+    RESULT, Hello, HealthAnswer, HealthCheck, InjectOutOfMemory, StepOutOfMemory, WorkerError,
+    WorkerMessage,
+)  # fmt: skip
+from sluice.actors.runtime.registry import CODEC
 from sluice.actors.runtime.reports import WorkerFacts
 from sluice.actors.scheduler.plan import SamplingParams, ScheduledSeq, StepPlan, StepResult
-from sluice.ipc.internal import InternalCodec
 
 # the fixed forward of the health check: a short greedy prompt in block 0 of a fresh pool
 HEALTH_PROMPT = (1, 504, 3458, 282, 4649, 314, 2, 28, 19)
@@ -41,101 +38,31 @@ HEALTH_REQUEST = "__health__"
 # -- encoding shared with the Executor actor -------------------------------------------------
 
 
-RESULT = b"result"  # the first frame of a step's result; its second is `encode_result`'s
-
-
-@dataclass(frozen=True)
-class PlanFrame:
-    """A step plan as the worker reads it, on its way from the Scheduler to the worker."""
-
-    step_id: int
-    frame: bytes
-
-
-@dataclass(frozen=True)
-class ResultFrame:
-    """A step's result as the worker wrote it, on its way from the worker to the Scheduler."""
-
-    frame: bytes
-
-
-@dataclass(frozen=True)
-class Hello:
-    """Worker -> Executor, once the model and its pool are loaded."""
-
-    pid: int
-    facts: WorkerFacts
-
-
-@dataclass(frozen=True)
-class HealthCheck:
-    """Executor -> worker: run the known-answer forward on a fresh pool."""
-
-
-@dataclass(frozen=True)
-class HealthAnswer:
-    token: int  # what the known-answer forward sampled
-    seconds: float
-
-
-@dataclass(frozen=True)
-class WorkerError:
-    """Worker -> Executor, instead of an answer: what failed (the Executor restarts it)."""
-
-    message: str
-
-
-@dataclass(frozen=True)
-class StepOutOfMemory:
-    """Worker -> Executor -> Scheduler, instead of a step's result: its forward ran out of
-    memory. Nothing was sampled and nothing it computed counts; the worker serves on."""
-
-    step_id: int
-    message: str
-
-
-@dataclass(frozen=True)
-class InjectOutOfMemory:
-    """Daemon -> Executor -> worker, a test fault (`debug_faults`): the next step's forward
-    raises torch's out-of-memory error. Unanswered: it may arrive while a step runs."""
-
-
-@functools.cache
-def _codec() -> InternalCodec:
-    from sluice.actors.runtime.registry import CODEC  # the registry lists this module's types
-
-    return CODEC
-
-
-WorkerMessage = (Hello | HealthCheck | HealthAnswer | WorkerError | StepOutOfMemory
-                 | InjectOutOfMemory)
-
-
 def encode(msg: WorkerMessage) -> bytes:
-    return _codec().encode(msg)
+    return CODEC.encode(msg)
 
 
 def decode(frame: bytes) -> WorkerMessage | StepPlan:
-    return _codec().decode(frame)
+    return CODEC.decode(frame)
 
 
 def encode_plan(plan: StepPlan) -> bytes:
-    return _codec().encode(plan)
+    return CODEC.encode(plan)
 
 
 def decode_plan(frame: bytes) -> StepPlan:
-    plan = _codec().decode(frame)
+    plan = CODEC.decode(frame)
     if not isinstance(plan, StepPlan):
         raise TypeError(f"expected a StepPlan, got a {type(plan).__name__}")
     return plan
 
 
 def encode_result(result: StepResult) -> bytes:
-    return _codec().encode(result)
+    return CODEC.encode(result)
 
 
 def decode_result(frame: bytes) -> StepResult:
-    result = _codec().decode(frame)
+    result = CODEC.decode(frame)
     if not isinstance(result, StepResult):
         raise TypeError(f"expected a StepResult, got a {type(result).__name__}")
     return result

@@ -25,7 +25,7 @@ import trio
 import zmq
 
 from sluice.actors.runtime import messages as am
-from sluice.actors.executor import worker
+from sluice.actors.executor import protocol
 from sluice.actors.runtime.registry import CODEC
 from sluice.ipc import messages as m
 from sluice.ipc.sockets import EVENTS, POLLIN, Socket, context
@@ -41,7 +41,7 @@ Handler = Callable[[Any], Awaitable[None]]
 # admission (Encode, Admit) and the usage records of its end. All but StepOutputs
 # are frozen and built of immutable values.
 HANDED_OVER = frozenset({
-    worker.PlanFrame, worker.ResultFrame, am.StepOutputs, am.Deliver, am.Outbound,
+    protocol.PlanFrame, protocol.ResultFrame, am.StepOutputs, am.Deliver, am.Outbound,
     m.Generate, m.Credit, m.Cancel, m.Heartbeat,
     am.Encode, am.Admit, am.Ended,
 })

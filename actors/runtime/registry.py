@@ -4,7 +4,7 @@ its worker process.
 `CODEC` packs the messages between actors (`actors.runtime.messages`), the client and control
 messages they pass along (`ipc.messages`), the values those share (`ipc.vocabulary`), the
 scheduler core's step plan and result (`actors.scheduler.plan`), the worker protocol
-(`actors.executor.worker`) and the records actors report their state in (`actors.runtime.reports`).
+(`actors.executor.protocol`) and the records actors report their state in (`actors.runtime.reports`).
 A type's tag is its position here, so every process of one sluice version agrees on the
 table. It loads no trio, socket or model: the worker process uses it too.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from sluice.actors.runtime import messages
 from sluice.actors.runtime import reports
-from sluice.actors.executor import worker
+from sluice.actors.executor import protocol
 from sluice.actors.scheduler import plan
 from sluice.ipc import messages as wire
 from sluice.ipc import vocabulary
@@ -24,5 +24,5 @@ from sluice.ipc.internal import InternalCodec, dataclasses_of
 
 CODEC = InternalCodec([
     *dataclasses_of(vocabulary), *dataclasses_of(wire), *dataclasses_of(messages),
-    *dataclasses_of(plan), *dataclasses_of(worker), *dataclasses_of(reports),
+    *dataclasses_of(plan), *dataclasses_of(protocol), *dataclasses_of(reports),
 ])

@@ -20,13 +20,8 @@ import trio
 from sluice.actors.runtime import messages as am
 from sluice.actors.scheduler import commands
 from sluice.actors.runtime.base import Actor, Handler, Inbox, Outbox, Outboxes
-from sluice.actors.executor.worker import (
-    PlanFrame,
-    ResultFrame,
-    StepOutOfMemory,
-    decode_result,
-    encode_plan,
-)
+from sluice.actors.executor.protocol import PlanFrame, ResultFrame, StepOutOfMemory
+from sluice.actors.executor.worker import decode_result, encode_plan
 from sluice.actors.front.limits import Limits, clip
 from sluice.actors.runtime.reports import Backlog, Histogram, MetricsQuery, MetricsSnapshot
 from sluice.actors.scheduler import AdmissionError, Request, Scheduler

@@ -29,7 +29,7 @@ from sluice.actors.runtime.reports import (
     Histogram, TenantUsageTotals, UsageQuery, UsageRecord, UsageSnapshot, UsageSums,
 )  # fmt: skip
 from sluice.actors.scheduler.latency import LATENCY_BOUNDS, Buckets
-from sluice.actors.usage.records import TIMING_KINDS, as_json
+from sluice.actors.usage.records import as_json
 
 log = structlog.get_logger("sluice.usage")
 

@@ -17,8 +17,6 @@ from sluice.actors.runtime.reports import UsageRecord, UsageSums
 from sluice.actors.scheduler.plan import RequestCost
 from sluice.ipc import messages as m
 
-TIMING_KINDS = ("ttft", "queue", "prefill", "tpot", "e2e")
-
 
 def since(mark: float, received: float) -> float:
     """A point on the monotonic clock as seconds after `received` (0.0: it never happened)."""

@@ -9,7 +9,9 @@ import argparse
 import sys
 import time
 
-from sluice.daemon.commands.one_request import DEFAULT_CONNECT, parse_prompt_ids, print_result
+from sluice.daemon.commands.one_request import (
+    DEFAULT_CONNECT, grammar_from_args, parse_prompt_ids, print_result,
+)  # fmt: skip
 
 # the names only, kept here so the CLI's --help does not import torch
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -52,27 +54,6 @@ def sampling_from_args(args):
         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
         ignore_eos=args.ignore_eos, **grammar_from_args(args),
     )
-
-
-def grammar_from_args(args) -> dict:
-    """SamplingParams' grammar fields from --json-schema FILE (none without it)."""
-    if getattr(args, "json_schema", None) is None:
-        return {}
-    from sluice.ipc.vocabulary import grammar_of
-
-    try:
-        with open(args.json_schema, encoding="utf-8") as file:
-            text = file.read()
-    except OSError as exc:
-        raise ValueError(f"--json-schema: {exc.strerror}: {args.json_schema}") from None
-    from sluice.actors.executor.grammar import GrammarError, check
-
-    kind, grammar = grammar_of(json_schema=text)
-    try:  # told here, before a model loads or a daemon is asked
-        check(kind, grammar)
-    except GrammarError as exc:
-        raise ValueError(f"--json-schema: {exc}") from None
-    return {"grammar_kind": kind, "grammar": grammar}
 
 
 def run(args: argparse.Namespace) -> int:

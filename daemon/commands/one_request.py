@@ -29,3 +29,24 @@ def print_result(args, text: str, token_ids: list[int], finish_reason: str, usag
         }))
     else:
         print(text)
+
+
+def grammar_from_args(args) -> dict:
+    """SamplingParams' grammar fields from --json-schema FILE (none without it)."""
+    if getattr(args, "json_schema", None) is None:
+        return {}
+    from sluice.ipc.vocabulary import grammar_of
+
+    try:
+        with open(args.json_schema, encoding="utf-8") as file:
+            text = file.read()
+    except OSError as exc:
+        raise ValueError(f"--json-schema: {exc.strerror}: {args.json_schema}") from None
+    from sluice.actors.executor.grammar import GrammarError, check
+
+    kind, grammar = grammar_of(json_schema=text)
+    try:  # told here, before a model loads or a daemon is asked
+        check(kind, grammar)
+    except GrammarError as exc:
+        raise ValueError(f"--json-schema: {exc}") from None
+    return {"grammar_kind": kind, "grammar": grammar}

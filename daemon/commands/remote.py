@@ -13,8 +13,9 @@ import os
 import socket
 import sys
 
-from sluice.daemon.commands.generate import grammar_from_args
-from sluice.daemon.commands.one_request import DEFAULT_CONNECT, parse_prompt_ids, print_result
+from sluice.daemon.commands.one_request import (
+    DEFAULT_CONNECT, grammar_from_args, parse_prompt_ids, print_result,
+)  # fmt: skip
 
 PROBE_SECONDS = 2.0
 

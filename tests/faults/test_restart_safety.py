@@ -7,7 +7,8 @@ import trio
 
 from sluice.actors.runtime import messages as am
 from sluice.actors.runtime.base import Inbox
-from sluice.actors.executor.worker import PlanFrame, ResultFrame, decode_plan, encode_result
+from sluice.actors.executor.protocol import PlanFrame, ResultFrame
+from sluice.actors.executor.worker import decode_plan, encode_result
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
 from sluice.actors.scheduler.actor import SchedulerActor
 from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepPlan, StepResult

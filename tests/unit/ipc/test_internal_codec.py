@@ -10,7 +10,7 @@ import pytest
 from sluice.actors.runtime import messages as am
 from sluice.actors.runtime import reports
 from sluice.actors.runtime.base import Inbox
-from sluice.actors.executor import worker
+from sluice.actors.executor import protocol, worker
 from sluice.actors.runtime.registry import CODEC
 from sluice.actors.scheduler.plan import (
     RequestOutput,
@@ -66,10 +66,10 @@ def roundtrip(msg):
         SNAPSHOT, (reports.Histogram("ttft", "", (1.0,), (0, 1), 2.0),))),
     am.WorkerLost("worker exited with -9"),
     # the worker protocol, in the same registry
-    worker.Hello(4321, reports.WorkerFacts(64, 16, 2048, 49152, "bfloat16", "float32")),
-    worker.HealthCheck(),
-    worker.HealthAnswer(42, 0.5),
-    worker.WorkerError("RuntimeError: boom"),
+    protocol.Hello(4321, reports.WorkerFacts(64, 16, 2048, 49152, "bfloat16", "float32")),
+    protocol.HealthCheck(),
+    protocol.HealthAnswer(42, 0.5),
+    protocol.WorkerError("RuntimeError: boom"),
 ])  # fmt: skip
 def test_messages_come_back_equal(msg) -> None:
     back = roundtrip(msg)
@@ -146,7 +146,7 @@ def test_the_worker_protocol_round_trips_plans_and_results() -> None:
     result = StepResult(7, {"a/1": SampledToken(5, -0.5, [(5, -0.5)])}, 0.01)
     assert worker.decode_result(worker.encode_result(result)) == result
     with pytest.raises(TypeError, match="StepPlan"):
-        worker.decode_plan(worker.encode(worker.HealthCheck()))
+        worker.decode_plan(worker.encode(protocol.HealthCheck()))
 
 
 def test_the_worker_side_of_the_registry_loads_no_trio() -> None:
