@@ -33,7 +33,7 @@ from sluice.actors.runtime.questions import Questions
 from sluice.actors.executor.actor import Executor
 from sluice.actors.executor.model_files import resolve_model_path
 from sluice.actors.executor.null import NullExecutor
-from sluice.actors.executor.worker import InjectOutOfMemory
+from sluice.actors.executor.protocol import InjectOutOfMemory
 from sluice.actors.front.gateway import Gateway
 from sluice.actors.http.front import HttpFront
 from sluice.actors.front.limits import raise_fd_limit
