@@ -11,8 +11,11 @@ Types, ranges and unknown keys are checked when the config is read (`config.py`)
 from __future__ import annotations
 
 import errno
+import json
 import re
 import socket
+import subprocess
+import sys
 
 from sluice.actors.runtime.local_socket import answers, ipc_path
 from sluice.daemon.config import MAX_PORT, DaemonConfig
@@ -60,20 +63,31 @@ def check_model(config: DaemonConfig) -> None:
             raise StartupError(f"{prefix}{exc}") from None
 
 
+# asked of a child Python: the daemon process never imports torch (only its worker runs a
+# model), and torch's CUDA count is what the worker will see
+_CUDA_PROBE = ("import json, torch; print(json.dumps([torch.__version__, torch.version.cuda, "
+               "torch.cuda.device_count() if torch.version.cuda else 0]))")
+
+
 def check_device(device: str) -> None:
-    """`cpu`, or a CUDA device torch can see (counted through NVML where it can, which does
-    not initialise CUDA in the daemon; torch is imported by the daemon anyway)."""
+    """`cpu`, or a CUDA device torch can see, asked of torch in a child process."""
     if not isinstance(device, str) or not DEVICE.fullmatch(device):
         raise StartupError(f"worker.device: must be cpu, cuda or cuda:N, got {device!r}")
     if device == "cpu":
         return
-    import torch
-
-    if torch.version.cuda is None:
-        raise StartupError(f"worker.device: {device!r}, but this torch ({torch.__version__}) is "
+    try:
+        probe = subprocess.run([sys.executable, "-P", "-c", _CUDA_PROBE], capture_output=True,
+                               text=True, timeout=300, check=True)
+        version, cuda, count = json.loads(probe.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        lines = (getattr(exc, "stderr", None) or str(exc)).strip().splitlines()
+        raise StartupError(f"worker.device: {device!r}, but torch could not be asked which "
+                           f"CUDA devices it sees ({lines[-1] if lines else type(exc).__name__})"
+                           ) from None
+    if cuda is None:
+        raise StartupError(f"worker.device: {device!r}, but this torch ({version}) is "
                            "built without CUDA; use device = \"cpu\" (--device cpu) or a CUDA "
                            "build of torch")
-    count = torch.cuda.device_count()
     if count == 0:
         raise StartupError(f"worker.device: {device!r}, but torch sees no CUDA device (check "
                            "the driver and CUDA_VISIBLE_DEVICES); use device = \"cpu\" "
