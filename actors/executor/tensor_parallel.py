@@ -1,0 +1,371 @@
+"""Tensor parallelism over `torch.distributed`: one model sharded across N rank processes.
+
+Megatron-style sharding of a loaded model's weights for rank r of N:
+
+- attention: the q, k and v rows are split by heads (each rank holds `num_heads / N` query
+  heads and the KV heads they read: `num_kv_heads / N` of them, or, when there are fewer KV
+  heads than ranks, the one KV head its query heads share, replicated); o_proj is split by
+  its input columns the same way and its output all-reduced. Qwen2's q/k/v biases go with
+  their rows; Qwen3's per-head q/k norms are the same for every head and stay whole.
+- MLP: gate and up rows split by the intermediate size, down split by its input columns and
+  its output all-reduced. A mixture-of-experts layer splits every expert the same way (the
+  router stays whole: every rank routes every token alike).
+- embeddings replicated (a lookup, no matmul to share); lm_head split by vocabulary (its rows
+  padded to a multiple of N), each rank's logits gathered so that every rank holds the whole
+  vocabulary's and samples alike.
+
+Each rank builds an ordinary `LlamaModel` from its shard with a config holding its share of
+heads and intermediate size, so its KV pool holds only its KV heads; every rank runs the
+same batch with the same block ids. The model's `all_reduce` and `gather_logits` hooks are
+where the ranks meet.
+
+Ranks are separate processes (multiprocessing "spawn"), each loading the model files itself
+and keeping only its shard; they form one process group (gloo on CPU, NCCL on CUDA) over a TCP
+store on a port the parent picks. `greedy` runs prompts to completion on a group and is what
+the tests hold to a single process's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing
+import queue as queue_module
+import socket
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from sluice.actors.executor.config import ModelConfig
+from sluice.actors.executor.model import AttentionInputs, LlamaModel
+
+
+class TensorParallelError(ValueError):
+    """A tensor-parallel size the model cannot be split by, or a group that failed."""
+
+
+def check_tensor_parallel(config: ModelConfig, tensor_parallel: int) -> None:
+    """Refuse a `tensor_parallel` the model's shapes cannot be split by, naming the reason."""
+    n = tensor_parallel
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise TensorParallelError(f"tensor_parallel must be a whole number ≥ 1, not {n!r}")
+    if n == 1:
+        return
+    heads, kv = config.num_heads, config.num_kv_heads
+    if heads % n:
+        choices = [d for d in range(1, heads + 1) if heads % d == 0 and _kv_fits(kv, d)]
+        raise TensorParallelError(
+            f"tensor_parallel = {n} does not divide the model's {heads} attention heads "
+            f"(tensor_parallel must be one of {', '.join(map(str, choices))})")
+    if not _kv_fits(kv, n):
+        raise TensorParallelError(
+            f"tensor_parallel = {n} cannot share the model's {kv} KV heads: it must divide "
+            f"them or be a multiple of them")
+    dense = any(not config.is_moe_layer(i) for i in range(config.num_layers))
+    if dense and config.intermediate_size % n:
+        raise TensorParallelError(
+            f"tensor_parallel = {n} does not divide the model's intermediate size "
+            f"{config.intermediate_size}")
+    if config.num_experts and config.moe_intermediate_size % n:
+        raise TensorParallelError(
+            f"tensor_parallel = {n} does not divide the model's expert intermediate size "
+            f"{config.moe_intermediate_size}")
+
+
+def _kv_fits(kv_heads: int, n: int) -> bool:
+    return kv_heads % n == 0 or n % kv_heads == 0
+
+
+def rank_config(config: ModelConfig, rank: int, tensor_parallel: int) -> ModelConfig:
+    """The config of rank `rank`'s shard: its share of heads and intermediate sizes."""
+    check_tensor_parallel(config, tensor_parallel)
+    n = tensor_parallel
+    if n == 1:
+        return config
+    return dataclasses.replace(
+        config,
+        num_heads=config.num_heads // n,
+        num_kv_heads=max(1, config.num_kv_heads // n),
+        intermediate_size=config.intermediate_size // n,
+        moe_intermediate_size=config.moe_intermediate_size // n,
+        # lm_head is this rank's vocabulary rows, never the (whole) embedding
+        tie_word_embeddings=False,
+        # the scale stays the whole model's (it depends on head_dim only, which is unchanged)
+    )
+
+
+def vocab_shard_rows(vocab_size: int, tensor_parallel: int) -> int:
+    """Rows of lm_head each rank holds: the vocabulary padded up to a multiple of N, split."""
+    return -(-vocab_size // tensor_parallel)
+
+
+def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
+                  tensor_parallel: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Rank `rank` of `tensor_parallel`'s config and weights (named as `load_weights` names
+    them), cut from a whole model's. Tensors are copies: the whole ones can be dropped."""
+    n = tensor_parallel
+    if not 0 <= rank < max(n, 1):
+        raise TensorParallelError(f"rank {rank} is outside a tensor_parallel group of {n}")
+    shard_config = rank_config(config, rank, n)
+    if n == 1:
+        return config, dict(weights)
+    d = config.head_dim
+    q_heads = config.num_heads // n
+    kv_heads = shard_config.num_kv_heads
+    if config.num_kv_heads >= n:
+        kv_first = rank * kv_heads
+    else:  # fewer KV heads than ranks: this rank's query heads all read one KV head
+        kv_first = rank // (n // config.num_kv_heads)
+    q_rows = slice(rank * q_heads * d, (rank + 1) * q_heads * d)
+    kv_rows = slice(kv_first * d, (kv_first + kv_heads) * d)
+
+    def part(size: int) -> slice:
+        return slice(rank * (size // n), (rank + 1) * (size // n))
+
+    inter = part(config.intermediate_size)
+    expert_inter = part(config.moe_intermediate_size) if config.num_experts else None
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if name in ("embed", "lm_head"):
+            if name == "embed":
+                out[name] = tensor
+            continue
+        if leaf in ("q_proj", "q_bias"):
+            piece = tensor[q_rows]
+        elif leaf in ("k_proj", "v_proj", "k_bias", "v_bias"):
+            piece = tensor[kv_rows]
+        elif leaf == "o_proj":
+            piece = tensor[:, q_rows]
+        elif leaf == "experts_gate_up":  # [experts, gate rows then up rows, hidden]
+            size = config.moe_intermediate_size
+            piece = torch.cat([tensor[:, expert_inter],
+                               tensor[:, size + expert_inter.start:size + expert_inter.stop]],
+                              dim=1)
+        elif leaf == "experts_down":  # [experts, hidden, intermediate]
+            piece = tensor[:, :, expert_inter]
+        elif ".experts." in name and leaf in ("gate_proj", "up_proj"):
+            piece = tensor[expert_inter]
+        elif ".experts." in name and leaf == "down_proj":
+            piece = tensor[:, expert_inter]
+        elif leaf in ("gate_proj", "up_proj"):
+            piece = tensor[inter]
+        elif leaf == "down_proj":
+            piece = tensor[:, inter]
+        else:  # norms, q/k norms, the router: whole on every rank
+            out[name] = tensor
+            continue
+        out[name] = piece.clone()
+    head = weights["embed"] if config.tie_word_embeddings else weights["lm_head"]
+    rows = vocab_shard_rows(config.vocab_size, n)
+    lm_head = head[rank * rows:(rank + 1) * rows]
+    if lm_head.shape[0] < rows:  # the last rank's padding rows: logits dropped when gathered
+        lm_head = torch.cat([lm_head, lm_head.new_zeros(rows - lm_head.shape[0],
+                                                        lm_head.shape[1])])
+    out["lm_head"] = lm_head.clone()
+    return shard_config, out
+
+
+def attach_group(model: LlamaModel, vocab_size: int, group=None) -> LlamaModel:
+    """Make a rank's sharded model meet the others: sum partial o_proj/down outputs, gather
+    the logits of every rank's vocabulary rows."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=group)
+        return x
+
+    def gather_logits(logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.contiguous()
+        parts = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(parts, logits, group=group)
+        return torch.cat(parts, dim=-1)[..., :vocab_size]
+
+    if world > 1:
+        model.all_reduce = all_reduce
+        model.gather_logits = gather_logits
+    return model
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for the group's rendezvous store."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, world_size: int, port: int, device: str = "cpu",
+               timeout_s: float = 120.0, host: str = "127.0.0.1") -> None:
+    """Join the group's process group: gloo on CPU, NCCL on CUDA."""
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def load_rank_model(model_path: str | Path, rank: int, tensor_parallel: int,
+                    dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaModel:
+    """Rank `rank`'s model: the files loaded, cut to its shard, the whole weights dropped."""
+    from sluice.actors.executor.loader import load_weights, resolve_model_path
+
+    config, weights = load_weights(resolve_model_path(str(model_path)), dtype)
+    check_tensor_parallel(config, tensor_parallel)
+    shard_config, shard = shard_weights(config, weights, rank, tensor_parallel)
+    del weights
+    model = LlamaModel(shard_config, shard, device=device, dtype=dtype)
+    model.full_config = config
+    return model
+
+
+# -- greedy generation over a block-paged pool (the same plan on every rank) ----------------
+
+def greedy_tokens(model: LlamaModel, prompts: Sequence[Sequence[int]], max_tokens: int,
+                  block_size: int = 16) -> list[list[int]]:
+    """Greedy continuations of `prompts`, batched: one prefill of them all, then one decode
+    step per token, each sequence in its own blocks of one pool. Run alike on every rank."""
+    tables, first = [], 0
+    for prompt in prompts:
+        blocks = -(-(len(prompt) + max_tokens) // block_size)
+        tables.append(list(range(first, first + blocks)))
+        first += blocks
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                device=model.device)
+    pool = model.new_kv_pool(first, block_size)
+    contexts = [list(p) for p in prompts]
+    new_ids = [list(p) for p in prompts]  # this step's tokens per sequence
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for _ in range(max_tokens):
+        ids, positions, slots, starts = [], [], [], [0]
+        for table, context, step in zip(tables, contexts, new_ids):
+            for pos in range(len(context) - len(step), len(context)):
+                positions.append(pos)
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            ids.extend(step)
+            starts.append(starts[-1] + len(step))
+        attn = AttentionInputs(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=model.device),
+            block_tables=block_tables,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=model.device),
+            seq_lens=torch.tensor([len(c) for c in contexts], dtype=torch.int32,
+                                  device=model.device))
+        hidden = model.forward(torch.tensor(ids, device=model.device),
+                               torch.tensor(positions, device=model.device), pool, attn)
+        last = torch.tensor(starts[1:], device=model.device) - 1
+        chosen = model.logits(hidden[last]).argmax(dim=-1).tolist()
+        for i, token in enumerate(chosen):
+            outputs[i].append(token)
+            contexts[i].append(token)
+            new_ids[i] = [token]
+    return outputs
+
+
+def _rank_main(rank: int, world_size: int, port: int, jobs: list[tuple[str, list[list[int]], int]],
+               dtype: str, threads: int, results: multiprocessing.Queue) -> None:
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(threads)
+        init_group(rank, world_size, port)
+        answers = []
+        for model_path, prompts, max_tokens in jobs:
+            model = load_rank_model(model_path, rank, world_size, dtype=getattr(torch, dtype))
+            attach_group(model, model.full_config.vocab_size)
+            answers.append(greedy_tokens(model, prompts, max_tokens))
+            del model
+        results.put((rank, "ok", answers))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # the parent reports it and ends the group
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def greedy(model_path: str | Path, prompts: Sequence[Sequence[int]], max_tokens: int,
+           tensor_parallel: int, *, dtype: str = "float32", threads: int = 1,
+           timeout_s: float = 300.0) -> list[list[int]]:
+    """Greedy continuations of `prompts` from a group of `tensor_parallel` rank processes on
+    this host (CPU, gloo). Every rank must produce the same tokens; rank 0's are returned."""
+    return greedy_many([(model_path, prompts, max_tokens)], tensor_parallel, dtype=dtype,
+                       threads=threads, timeout_s=timeout_s)[0]
+
+
+def greedy_many(jobs: Sequence[tuple[str | Path, Sequence[Sequence[int]], int]],
+                tensor_parallel: int, *, dtype: str = "float32", threads: int = 1,
+                timeout_s: float = 300.0) -> list[list[list[int]]]:
+    """`greedy` for several (model path, prompts, max tokens) jobs, one model after another
+    on one group of rank processes (started once)."""
+    from sluice.actors.executor.loader import read_model_config, resolve_model_path
+
+    plan = []
+    for model_path, prompts, max_tokens in jobs:
+        path = resolve_model_path(str(model_path))
+        config = read_model_config(path)
+        check_tensor_parallel(config, tensor_parallel)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise TensorParallelError(f"max_tokens must be a whole number ≥ 1, not "
+                                      f"{max_tokens!r}")
+        for prompt in prompts:
+            if not len(prompt):
+                raise TensorParallelError("a prompt is empty: give at least one token id")
+            bad = [t for t in prompt if not 0 <= int(t) < config.vocab_size]
+            if bad:
+                raise TensorParallelError(
+                    f"token id {bad[0]} is outside the model's vocabulary "
+                    f"(0..{config.vocab_size - 1})")
+        plan.append((str(path), [list(map(int, p)) for p in prompts], int(max_tokens)))
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_rank_main, daemon=True, name=f"sluice-tp-rank-{r}",
+                             args=(r, tensor_parallel, port, plan, dtype, threads, results))
+             for r in range(tensor_parallel)]
+    for process in ranks:
+        process.start()
+    answers: dict[int, list[list[list[int]]]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(answers) < tensor_parallel:
+            try:
+                rank, status, payload = results.get(timeout=0.5)
+            except queue_module.Empty:
+                # a rank that died without a word (killed, or failed before it could answer)
+                # fails the group now, not at the deadline
+                dead = [(r, p.exitcode) for r, p in enumerate(ranks)
+                        if p.exitcode is not None and r not in answers]
+                if dead and results.empty():
+                    rank, code = dead[0]
+                    raise TensorParallelError(
+                        f"tensor_parallel rank {rank} exited (code {code}) before it "
+                        f"answered") from None
+                if time.monotonic() > deadline:
+                    raise TensorParallelError(
+                        f"tensor_parallel group of {tensor_parallel} gave no answer in "
+                        f"{timeout_s:g} s") from None
+                continue
+            if status != "ok":
+                raise TensorParallelError(f"tensor_parallel rank {rank} failed:\n{payload}")
+            answers[rank] = payload
+        for process in ranks:
+            process.join(timeout=30)
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    if any(answers[r] != answers[0] for r in answers):
+        raise TensorParallelError("tensor_parallel ranks disagree on the greedy tokens")
+    return answers[0]
+
+
+__all__ = [
+    "TensorParallelError", "attach_group", "check_tensor_parallel", "free_port", "greedy",
+    "greedy_many", "greedy_tokens", "init_group", "load_rank_model", "rank_config", "shard_weights",
+    "vocab_shard_rows",
+]
