@@ -63,8 +63,13 @@ _GGUF_LAYER_NAMES = {
     "ffn_down_exps.weight": "down_proj_experts",
 }
 # Phi-3's fused matrices (ffn_up holds gate then up), split at load as its config.json ones
+_GGUF_GEMMA_NAMES = {"post_attention_norm.weight": "attn_out_norm",
+                     "ffn_norm.weight": "post_attention_norm",
+                     "post_ffw_norm.weight": "mlp_out_norm"}
 _GGUF_FAMILY_LAYER_NAMES = {"phi3": {"attn_qkv.weight": "qkv_proj",
-                                     "ffn_up.weight": "gate_up_proj"}}
+                                     "ffn_up.weight": "gate_up_proj"},
+                            # Gemma's norms as config.json's (see _HF_FAMILY_LAYER_NAMES)
+                            "gemma2": _GGUF_GEMMA_NAMES, "gemma3": _GGUF_GEMMA_NAMES}
 
 
 def _unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -97,6 +102,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
             values = _unpermute_rotary_rows(values, config.num_heads)
         elif permuted and name.endswith((".k_proj", ".k_bias")):
             values = _unpermute_rotary_rows(values, config.num_kv_heads)
+        elif config.norm_plus_one and name.endswith("norm"):
+            values = np.asarray(values, dtype=np.float32) - 1  # llama.cpp stores Gemma's 1 + w
         weights[name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
     where = f"{path} (architecture {arch})"
     _split_fused(weights, sources, config)

