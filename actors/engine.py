@@ -58,8 +58,26 @@ class Engine:
     def __init__(self, model: str | None = None, *, dtype: str = "auto",
                  kv_dtype: str | None = None, device: str = "cpu", scheduler_config: SchedulerConfig | None = None,
                  num_blocks: int | None = None, max_model_len: int | None = None,
-                 runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None):
+                 runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None,
+                 tensor_parallel: int = 1):
         config = scheduler_config or SchedulerConfig()
+        if tensor_parallel != 1:
+            # the model split across `tensor_parallel` rank processes (this one is rank 0)
+            from sluice.actors.executor.tensor_parallel import (
+                TensorParallelError,
+                TensorParallelRunner,
+                check_tensor_parallel,
+            )
+
+            if runner is not None:
+                raise TensorParallelError("tensor_parallel builds its own runner: give a model "
+                                          "path, not a runner")
+            check_tensor_parallel(None, tensor_parallel)  # a size before any process starts
+            runner = TensorParallelRunner(model, tensor_parallel, dtype=dtype,
+                                          kv_dtype=kv_dtype, device=device,
+                                          num_blocks=num_blocks or None,
+                                          block_size=config.block_size,
+                                          max_model_len=max_model_len)
         if runner is None:
             largest_step = config.token_budget / min(config.prefill_weight, config.decode_weight)
             runner = ModelRunner(model, dtype=dtype, kv_dtype=kv_dtype, device=device,
@@ -76,6 +94,12 @@ class Engine:
         self._awaited: set[str] = set()  # requests a generate() call waits for
         self._finished: dict[str, Completion] = {}  # finished awaited ones, until collected
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other rank processes (nothing to do otherwise)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     @property
     def max_model_len(self) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import multiprocessing
+import os
 import queue as queue_module
 import socket
 import time
@@ -47,12 +48,13 @@ class TensorParallelError(ValueError):
     """A tensor-parallel size the model cannot be split by, or a group that failed."""
 
 
-def check_tensor_parallel(config: ModelConfig, tensor_parallel: int) -> None:
-    """Refuse a `tensor_parallel` the model's shapes cannot be split by, naming the reason."""
+def check_tensor_parallel(config: ModelConfig | None, tensor_parallel: int) -> None:
+    """Refuse a `tensor_parallel` the model's shapes cannot be split by, naming the reason
+    (without a config: only one that is not a size at all)."""
     n = tensor_parallel
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise TensorParallelError(f"tensor_parallel must be a whole number ≥ 1, not {n!r}")
-    if n == 1:
+    if n == 1 or config is None:
         return
     heads, kv = config.num_heads, config.num_kv_heads
     if heads % n:
@@ -364,8 +366,153 @@ def greedy_many(jobs: Sequence[tuple[str | Path, Sequence[Sequence[int]], int]],
     return answers[0]
 
 
+# -- a group serving an engine: rank 0 in the engine's process, the others in children -------
+
+def _rank_runner(model_path: str, rank: int, tensor_parallel: int, dtype: str,
+                 kv_dtype: str | None, device: str, num_blocks: int, block_size: int,
+                 max_model_len: int | None):
+    """Rank `rank`'s ModelRunner over its shard, its pool `num_blocks` blocks (every rank's
+    the same: the plan's block ids are the group's)."""
+    from sluice.actors.executor.dtypes import resolve_dtypes
+    from sluice.actors.executor.loader import load_weights
+    from sluice.actors.executor.runner import ModelRunner
+
+    weights_dtype, kv = resolve_dtypes(dtype, kv_dtype, device)
+    config, weights = load_weights(Path(model_path), weights_dtype)
+    shard_config, shard = shard_weights(config, weights, rank, tensor_parallel)
+    del weights
+    model = LlamaModel(shard_config, shard, device=device, dtype=weights_dtype, kv_dtype=kv)
+    del shard
+    attach_group(model, config.vocab_size)
+    return ModelRunner(model=model, model_path=model_path, num_blocks=num_blocks,
+                       block_size=block_size, max_model_len=max_model_len)
+
+
+def _follower_main(rank: int, world_size: int, port: int, runner_args: tuple, threads: int,
+                   timeout_s: float) -> None:
+    """A rank other than 0: run every plan rank 0 broadcasts, until it says stop (None)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    init_group(rank, world_size, port, timeout_s=timeout_s)
+    runner = _rank_runner(runner_args[0], rank, world_size, *runner_args[1:])
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+        if message is None:
+            break
+        if message == "reset_kv":
+            runner.reset_kv()
+        else:
+            runner.execute(message)  # its samples are rank 0's too: only rank 0's are used
+    dist.destroy_process_group()
+
+
+class TensorParallelRunner:
+    """A ModelRunner for the engine whose model is split across `tensor_parallel` ranks:
+    rank 0's runner in this process, each other rank a child process that runs the same
+    plans on its own shard and KV pool shard (plans reach it by broadcast on the group).
+    Rank 0's sampled tokens are the group's. Everything else is rank 0's runner's."""
+
+    def __init__(self, model_path: str | Path | None, tensor_parallel: int, *,
+                 dtype: str = "auto", kv_dtype: str | None = None, device: str = "cpu",
+                 num_blocks: int | None = None, block_size: int = 16,
+                 max_model_len: int | None = None, threads: int | None = None,
+                 timeout_s: float = 300.0):
+        import torch.distributed as dist
+
+        from sluice.actors.executor.dtypes import resolve_dtypes
+        from sluice.actors.executor.loader import read_model_config, resolve_model_path
+
+        if torch.device(device).type != "cpu":
+            raise TensorParallelError(
+                f"tensor_parallel > 1 runs on the CPU (gloo) for now, not on {device!r}")
+        if dist.is_initialized():
+            raise TensorParallelError(
+                "tensor_parallel > 1: this process already belongs to a torch.distributed "
+                "group (close the other tensor-parallel engine first)")
+        path = resolve_model_path(model_path)
+        config = read_model_config(path)
+        check_tensor_parallel(config, tensor_parallel)
+        if not num_blocks:  # every rank's pool alike; not profiled (a forward is collective)
+            _, kv = resolve_dtypes(dtype, kv_dtype, device)
+            shard = rank_config(config, 0, tensor_parallel)
+            per_block = (2 * shard.num_layers * block_size * shard.num_kv_heads
+                         * shard.head_dim * kv.itemsize)
+            from sluice.actors.executor.memory import DEFAULT_CPU_KV_MAX_BYTES
+
+            num_blocks = max(2, DEFAULT_CPU_KV_MAX_BYTES // per_block)
+        threads = threads or max(1, torch.get_num_threads() // tensor_parallel)
+        runner_args = (str(path), dtype, kv_dtype, device, num_blocks, block_size,
+                       max_model_len)
+        context = multiprocessing.get_context("spawn")
+        port = free_port()
+        self._followers = [
+            context.Process(target=_follower_main, daemon=True, name=f"sluice-tp-rank-{r}",
+                            args=(r, tensor_parallel, port, runner_args, threads, timeout_s))
+            for r in range(1, tensor_parallel)]
+        for process in self._followers:
+            process.start()
+        try:
+            init_group(0, tensor_parallel, port, timeout_s=timeout_s)
+            self._runner = _rank_runner(str(path), 0, tensor_parallel, *runner_args[1:])
+        except BaseException:
+            self._kill_followers()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
+        self.tensor_parallel = tensor_parallel
+        self._closed = False
+
+    def __getattr__(self, name):  # model_path, num_blocks, block_size, config, ...
+        return getattr(self.__dict__["_runner"], name)
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The process id of each rank, rank 0 (this process) first."""
+        return [os.getpid(), *(p.pid for p in self._followers)]
+
+    def _send(self, message) -> None:
+        import torch.distributed as dist
+
+        if self._closed:
+            raise TensorParallelError("this tensor_parallel group is closed")
+        dist.broadcast_object_list([message], src=0)
+
+    def execute(self, plan):
+        self._send(plan)
+        return self._runner.execute(plan)
+
+    def reset_kv(self) -> None:
+        self._send("reset_kv")
+        self._runner.reset_kv()
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the group (idempotent)."""
+        import torch.distributed as dist
+
+        if getattr(self, "_closed", True):
+            return
+        try:
+            self._send(None)
+        finally:
+            self._closed = True
+            for process in self._followers:
+                process.join(timeout=30)
+            self._kill_followers()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _kill_followers(self) -> None:
+        for process in self._followers:
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
 __all__ = [
-    "TensorParallelError", "attach_group", "check_tensor_parallel", "free_port", "greedy",
-    "greedy_many", "greedy_tokens", "init_group", "load_rank_model", "rank_config", "shard_weights",
-    "vocab_shard_rows",
+    "TensorParallelError", "TensorParallelRunner", "attach_group", "check_tensor_parallel",
+    "free_port", "greedy", "greedy_many", "greedy_tokens", "init_group", "load_rank_model",
+    "rank_config", "shard_weights", "vocab_shard_rows",
 ]

@@ -10,8 +10,10 @@ import multiprocessing
 import pytest
 import torch
 
+from sluice.actors.engine import Engine
 from sluice.actors.executor.loader import load_weights, read_model_config
 from sluice.actors.executor.model import LlamaModel
+from sluice.actors.executor.runner import ModelRunner
 from sluice.actors.executor.tensor_parallel import (
     TensorParallelError,
     check_tensor_parallel,
@@ -20,6 +22,8 @@ from sluice.actors.executor.tensor_parallel import (
     greedy_tokens,
     shard_weights,
 )
+from sluice.actors.scheduler import SchedulerConfig
+from sluice.actors.scheduler.plan import SamplingParams
 
 from test_families import SHAPE, VOCAB, save
 
@@ -81,6 +85,29 @@ def test_two_ranks_give_the_one_process_greedy_tokens(folders, two_ranks, family
     assert two_ranks[family] == one_process(folders[family])
 
 
+def test_engine_with_two_ranks_generates_what_one_process_does(folders, smollm_tokenizer):
+    """Engine(tensor_parallel=2): rank 0 in this process, rank 1 a child running the same
+    plans (prefill in chunks, batched decodes) on its shard; the tokens are one engine's."""
+    greedy_params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    chunks = SchedulerConfig(max_prefill_chunk=16)
+    one = Engine(runner=ModelRunner(folders["llama"], dtype="float32", num_blocks=32),
+                 tokenizer=smollm_tokenizer, scheduler_config=chunks)
+    expected = [c.token_ids for c in one.generate(PROMPTS, greedy_params)]
+    one.scheduler.check_invariants()
+    engine = Engine(str(folders["llama"]), dtype="float32", num_blocks=32, tensor_parallel=2,
+                    tokenizer=smollm_tokenizer, scheduler_config=chunks)
+    try:
+        assert engine.runner.config.num_heads == 2  # rank 0 holds half the heads
+        pids = engine.runner.rank_pids
+        assert len(set(pids)) == 2
+        assert [c.token_ids for c in engine.generate(PROMPTS, greedy_params)] == expected
+        engine.scheduler.check_invariants()
+        assert engine.scheduler.kv_cache.num_used_blocks == 0  # nothing left held
+    finally:
+        engine.close()
+    assert not multiprocessing.active_children()  # the other rank ended with the engine
+
+
 def test_shards_put_back_together_are_the_whole_model(folders):
     """Each rank holds its heads' rows of q/k/v (biases with them), its columns of o_proj and
     down, its rows of gate/up and of lm_head; KV heads fewer than ranks are replicated."""
@@ -130,4 +157,9 @@ def test_sizes_that_do_not_split_the_model_are_refused(folders, smollm_path):
         greedy(folders["llama"], [[1, 300]], NEW_TOKENS, tensor_parallel=2)
     with pytest.raises(TensorParallelError, match="a prompt is empty"):
         greedy(folders["llama"], [[]], NEW_TOKENS, tensor_parallel=2)
+    assert not multiprocessing.active_children()
+    with pytest.raises(TensorParallelError, match="tensor_parallel = 2 does not divide"):
+        Engine(tensor_parallel=2)  # the embedded model
+    with pytest.raises(TensorParallelError, match="tensor_parallel must be a whole number"):
+        Engine(str(folders["llama"]), tensor_parallel=0)
     assert not multiprocessing.active_children()
