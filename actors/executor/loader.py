@@ -109,7 +109,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
     _split_fused(weights, sources, config)
     _split_experts(weights, sources, config)
     _stack_experts(weights, sources, config, where)
-    _check_weights(config, weights, sources, where)
+    _check_weights(config, weights, sources, where,
+                   _file_names(_GGUF_TOP_NAMES, "blk.", layer_names))
     return config, weights
 
 
@@ -211,7 +212,8 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict
     where = f"{folder} (model_type {model_type})"
     _split_fused(weights, sources, config)
     _stack_experts(weights, sources, config, where)
-    _check_weights(config, weights, sources, where)
+    _check_weights(config, weights, sources, where,
+                   _file_names(_HF_TOP_NAMES, "model.layers.", layer_names, top_prefix="model."))
     return config, weights
 
 
@@ -260,13 +262,28 @@ def _stack_experts(weights: dict[str, torch.Tensor], sources: dict[str, str],
         weights[prefix + "experts_down"] = torch.stack(pieces["down_proj"])
 
 
+def _file_names(top_level: dict[str, str], layer_prefix: str, layer_names: dict[str, str],
+                top_prefix: str = "") -> dict[str, str]:
+    """Ours -> the file's name, for a layer's weights by their short name ("q_proj")."""
+    names = {ours: theirs if ours == "lm_head" else top_prefix + theirs
+             for theirs, ours in top_level.items()}
+    names.update({ours: layer_prefix + "{layer}." + theirs for theirs, ours in layer_names.items()})
+    return names
+
+
 def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor],
-                   sources: dict[str, str], where: str) -> None:
-    """Every weight the config needs is there, in the shape it gives."""
+                   sources: dict[str, str], where: str, file_names: dict[str, str]) -> None:
+    """Every weight the config needs is there, in the shape it gives; a missing one is named
+    as the file would name it."""
     expected = weight_shapes(config)
     missing = [name for name in expected if name not in weights]
     if missing:
-        raise ModelLoadError(f"{where}: weight {missing[0]!r} is missing ({len(missing)} of "
+        ours = missing[0]
+        layer, _, short = ours.removeprefix("layers.").partition(".")
+        theirs = (file_names.get(short, "").format(layer=layer) if short
+                  else file_names.get(ours))
+        named = f"{theirs!r} (ours {ours!r})" if theirs else repr(ours)
+        raise ModelLoadError(f"{where}: weight {named} is missing ({len(missing)} of "
                              f"{len(expected)} missing)")
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:

@@ -198,7 +198,8 @@ def test_missing_and_misshapen_weights_are_refused(tmp_path):
         load_weights(tmp_path, torch.float32)
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"\(model_type phi3\): weight 'layers.1.down_proj' "
+    with pytest.raises(ModelLoadError, match=r"\(model_type phi3\): weight 'model.layers.1.mlp."
+                                             r"down_proj.weight' \(ours 'layers.1.down_proj'\) "
                                              r"is missing \(1 of 21 missing\)"):
         load_weights(tmp_path, torch.float32)
 
