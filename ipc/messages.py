@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from sluice.ipc.vocabulary import FinishReason, RejectCode, SamplingParams
+from sluice.ipc.vocabulary import FinishReason, RejectCode, SamplingParams, TenantLimits
 
 PROTOCOL_MAJOR = 2
 # 2.1: `ServerInfo.max_credits` says how many credits the daemon lets a request hold, so a
@@ -324,22 +324,6 @@ class PlanComposition:
 
 
 @dataclass(frozen=True)
-class TenantLimits:
-    """A tenant's limits as the scheduler applies them; None is no limit."""
-
-    max_running: int | None = None
-    max_queued: int | None = None  # its own cap, else the default cap of every tenant
-    max_context: int | None = None
-    max_new_tokens: int | None = None
-    input_tokens_per_minute: int | None = None  # token buckets: prompt tokens admitted
-    output_tokens_per_minute: int | None = None  # ... and max_tokens reserved
-    max_queue_wait: float | None = None  # seconds a request may expect to wait for the rates
-    max_kv_blocks: int | None = None
-    max_priority: int | None = None  # higher priorities are lowered to this
-    timeout: float | None = None  # seconds, for requests that name none
-
-
-@dataclass(frozen=True)
 class TenantTotals:
     """What a tenant has used since the scheduler started."""
 
@@ -492,22 +476,13 @@ class CancelCommand:
 
 
 @dataclass(frozen=True)
-class TenantSet:
-    """Change one tenant's weight or limits at run time."""
+class TenantSet(TenantLimits):
+    """Change one tenant's weight or limits at run time: each limit of `TenantLimits` that
+    is given (by keyword), and the fields below."""
 
     TAG: ClassVar[int] = 41
     name: str
     weight: float | None = None
-    max_running: int | None = None
-    max_queued: int | None = None
-    max_context: int | None = None
-    max_new_tokens: int | None = None
-    input_tokens_per_minute: int | None = None
-    output_tokens_per_minute: int | None = None
-    max_queue_wait: float | None = None
-    max_kv_blocks: int | None = None
-    max_priority: int | None = None
-    timeout: float | None = None
     # False: unset fields keep their value; True: they return to the defaults (weight 1, no
     # limit), so the tenant becomes exactly what this message says
     reset: bool = False

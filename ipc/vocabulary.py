@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class RejectCode(enum.IntEnum):
@@ -252,3 +252,71 @@ def shown(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:40] + "…"
 
+
+# what each tenant limit is, which says what values it takes
+_COUNT = {"kind": "count"}  # an integer >= 0
+_RATE = {"kind": "rate"}  # an integer >= 1
+_SECONDS = {"kind": "seconds"}  # a number of seconds > 0
+_LEVEL = {"kind": "level"}  # any integer
+
+
+@dataclass(frozen=True, kw_only=True)
+class TenantLimits:
+    """What one tenant may use: the one declaration of the tenant limits. None is no limit.
+
+    The scheduler core's tenant config, the operator's `TenantSet`, the status rows, the
+    `[scheduler.tenants.NAME]` tables and `sluice tenants set`'s flags all take these fields
+    from here."""
+
+    max_running: int | None = field(default=None, metadata=_COUNT)  # requests holding KV
+    # requests waiting for admission at once (in status: its own cap, else the default cap)
+    max_queued: int | None = field(default=None, metadata=_COUNT)
+    max_context: int | None = field(default=None, metadata=_COUNT)  # prompt + max_tokens
+    max_new_tokens: int | None = field(default=None, metadata=_COUNT)  # max_tokens of one
+    # token buckets, each holding one minute's worth: prompt tokens and max_tokens admitted
+    # per minute; over the rate a request waits
+    input_tokens_per_minute: int | None = field(default=None, metadata=_RATE)
+    output_tokens_per_minute: int | None = field(default=None, metadata=_RATE)
+    # seconds a request may expect to wait for the rates before it is refused (quota, with
+    # retry_after) at arrival; None: it waits however long (its timeout still holds)
+    max_queue_wait: float | None = field(default=None, metadata=_SECONDS)
+    max_kv_blocks: int | None = field(default=None, metadata=_COUNT)  # KV its requests hold
+    max_priority: int | None = field(default=None, metadata=_LEVEL)  # higher is lowered to it
+    timeout: float | None = field(default=None, metadata=_SECONDS)  # for requests naming none
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(TenantLimits))
+
+    @classmethod
+    def takes_seconds(cls, name: str) -> bool:
+        """Whether the limit `name` is a number of seconds (else an integer)."""
+        return _LIMIT_KINDS[name] == "seconds"
+
+    def limits(self) -> TenantLimits:
+        """These limits alone, from a record that has more fields (a config, a command)."""
+        return TenantLimits(**{name: getattr(self, name) for name in self.names()})
+
+    def problem(self) -> str | None:
+        """What is wrong with a value, as `name: must be ..., got ...`; None if nothing."""
+        for name in self.names():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            kind = _LIMIT_KINDS[name]
+            if kind == "count" and not (_is_int(value) and value >= 0):
+                return f"{name}: must be an integer >= 0, got {value!r}"
+            if kind == "rate" and not (_is_int(value) and value >= 1):
+                return f"{name}: must be an integer >= 1, got {value!r}"
+            if kind == "seconds" and not (_is_real(value) and 0 < value < float("inf")):
+                return f"{name}: must be a number of seconds > 0, got {value!r}"
+            if kind == "level" and not _is_int(value):
+                return f"{name}: must be an integer, got {value!r}"
+        return None
+
+
+_LIMIT_KINDS = {f.name: f.metadata["kind"] for f in dataclasses.fields(TenantLimits)}
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value

@@ -165,7 +165,7 @@ def console_detail(core: Scheduler, *, latency: m.LatencySummary,
 def _tenant_row(values: Mapping[str, Any]) -> m.TenantRow:
     """One tenant as `TenantLedger.stats()` says it."""
     totals = {f.name: values[f.name] for f in dataclasses.fields(m.TenantTotals)}
-    return m.TenantRow(weight=values["weight"], limits=m.TenantLimits(**values["limits"]),
+    return m.TenantRow(weight=values["weight"], limits=values["limits"],
                        configured=values["configured"], queues=values["queues"],
                        waiting=values["waiting"], running=values["running"],
                        virtual_time=values["virtual_time"], totals=m.TenantTotals(**totals),

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.ipc.vocabulary import TenantLimits
+
 DEFAULT_TENANT = "default"  # always exists: requests that name no tenant run as it
 POLICIES = ("fcfs", "priority", "srpt", "fair")
 ORDERS = ("decode_first", "prefill_first")
@@ -21,24 +23,11 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class TenantConfig:
-    """What one tenant may use. `None` means no limit of that kind."""
+class TenantConfig(TenantLimits):
+    """What one tenant may use: its limits (`TenantLimits`, `None` for no limit of that
+    kind, given by keyword) and its share and cache settings."""
 
     weight: float = 1.0  # share in the fair policy, relative to other tenants
-    max_running: int | None = None  # requests holding KV at once, paused ones included
-    max_queued: int | None = None  # requests waiting for admission at once
-    max_context: int | None = None  # prompt + max_tokens of one request
-    max_new_tokens: int | None = None  # max_tokens of one request
-    # token buckets (see `tenant_limits.py`): prompt tokens and max_tokens admitted per
-    # minute, each bucket holding one minute's worth; over the rate a request waits
-    input_tokens_per_minute: int | None = None
-    output_tokens_per_minute: int | None = None
-    # seconds a request may expect to wait for the rates before it is refused (quota,
-    # with retry_after) at arrival; None: it waits however long (its timeout still holds)
-    max_queue_wait: float | None = None
-    max_kv_blocks: int | None = None  # KV blocks its requests hold together
-    max_priority: int | None = None  # a request's priority is lowered to this
-    timeout: float | None = None  # seconds from arrival for a request that names none
     # prefix-cache hits reveal that someone sent the same text, so each tenant's hash chain
     # starts from its own salt; tenants that opt in share one chain (`share_prefix_cache`
     # with every other opted-in tenant, or `prefix_cache_group` with that group's members)
@@ -55,21 +44,8 @@ class TenantConfig:
         group = self.prefix_cache_group
         if group is not None and (not isinstance(group, str) or not group):
             raise ConfigError(f"prefix_cache_group: must be a non-empty string, got {group!r}")
-        for name in ("max_running", "max_queued", "max_context", "max_new_tokens",
-                     "max_kv_blocks"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise ConfigError(f"{name}: must be an integer >= 0, got {value!r}")
-        for name in ("input_tokens_per_minute", "output_tokens_per_minute"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
-        for name in ("max_queue_wait", "timeout"):
-            value = getattr(self, name)
-            if value is not None and (not _is_number(value) or not 0 < value < math.inf):
-                raise ConfigError(f"{name}: must be a number of seconds > 0, got {value!r}")
-        if self.max_priority is not None and not _is_int(self.max_priority):
-            raise ConfigError(f"max_priority: must be an integer, got {self.max_priority!r}")
+        if (problem := self.problem()) is not None:
+            raise ConfigError(problem)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TenantConfig:

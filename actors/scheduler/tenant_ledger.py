@@ -327,18 +327,9 @@ class TenantLedger:
         state = self.tenants.get(name)
         return {
             "weight": limits.weight,
-            "limits": {
-                "max_running": limits.max_running,
-                "max_queued": self.config.max_queued_of(name),
-                "max_context": limits.max_context,
-                "max_new_tokens": limits.max_new_tokens,
-                "input_tokens_per_minute": limits.input_tokens_per_minute,
-                "output_tokens_per_minute": limits.output_tokens_per_minute,
-                "max_queue_wait": limits.max_queue_wait,
-                "max_kv_blocks": limits.max_kv_blocks,
-                "max_priority": limits.max_priority,
-                "timeout": limits.timeout,
-            },
+            # as applied: the queue cap is its own, else the default cap of every tenant
+            "limits": dataclasses.replace(limits.limits(),
+                                          max_queued=self.config.max_queued_of(name)),
             **self.rates.levels(name),
             # set up by the config or an operator (not only named by a client)
             "configured": self.config.is_configured(name),

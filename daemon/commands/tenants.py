@@ -8,12 +8,12 @@ import json
 import sys
 
 from sluice.daemon.commands.operator import add_common_arguments, control_address, run_command
+from sluice.ipc.vocabulary import TenantLimits
 from sluice.tui.limits import limits_text
 
-_LIMITS = {"max_running": int, "max_queued": int, "max_context": int, "max_new_tokens": int,
-           "input_tokens_per_minute": int, "output_tokens_per_minute": int,
-           "max_queue_wait": float, "max_kv_blocks": int, "max_priority": int,
-           "timeout": float}
+# a flag per tenant limit, as the limits are declared
+_LIMITS = {name: float if TenantLimits.takes_seconds(name) else int
+           for name in TenantLimits.names()}
 # `--timeout` is how long the command waits for the daemon: the tenant's is --request-timeout
 _DEST = {"timeout": "request_timeout"}
 
