@@ -478,6 +478,10 @@ class TensorParallelRunner:
 
         if self._closed:
             raise TensorParallelError("this tensor_parallel group is closed")
+        dead = [(r, p.exitcode) for r, p in enumerate(self._followers, 1) if not p.is_alive()]
+        if dead:  # a broadcast to it would wait out the group's timeout
+            raise TensorParallelError(f"tensor_parallel rank {dead[0][0]} has exited "
+                                      f"(code {dead[0][1]})")
         dist.broadcast_object_list([message], src=0)
 
     def execute(self, plan):
@@ -495,11 +499,13 @@ class TensorParallelRunner:
         if getattr(self, "_closed", True):
             return
         try:
-            self._send(None)
-        finally:
-            self._closed = True
+            self._send(None)  # refused where a rank has exited: the others are ended below
             for process in self._followers:
                 process.join(timeout=30)
+        except Exception:
+            pass
+        finally:
+            self._closed = True
             self._kill_followers()
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
+import signal
 
 import pytest
 import torch
@@ -103,6 +105,12 @@ def test_engine_with_two_ranks_generates_what_one_process_does(folders, smollm_t
         assert [c.token_ids for c in engine.generate(PROMPTS, greedy_params)] == expected
         engine.scheduler.check_invariants()
         assert engine.scheduler.kv_cache.num_used_blocks == 0  # nothing left held
+        # a rank that is gone is named at the next step, not after the group's timeout
+        os.kill(pids[1], signal.SIGKILL)
+        engine.runner._followers[0].join(timeout=30)
+        with pytest.raises(TensorParallelError, match=r"tensor_parallel rank 1 has exited "
+                                                      r"\(code -9\)"):
+            engine.generate(PROMPTS[:1], greedy_params)
     finally:
         engine.close()
     assert not multiprocessing.active_children()  # the other rank ended with the engine
