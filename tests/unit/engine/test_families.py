@@ -10,20 +10,16 @@ import math
 import pytest
 import torch
 
-from sluice.actors.engine import Engine
 from sluice.actors.executor.loader import ModelLoadError, read_model_config, resolve_model_path
-from sluice.actors.executor.runner import ModelRunner
-from sluice.actors.scheduler import SchedulerConfig
-from sluice.actors.scheduler.plan import SamplingParams
 
-from test_loader import forward_logits  # one prompt's logits through a fresh pool
+from support import families
+from support.families import (
+    GGUF_LAYER_NAMES, GGUF_NAMES, SHAPE, VOCAB, assert_transformers_reads_it_alike,
+    llama_cpp_permute, save,
+)  # fmt: skip
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 300
-SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-             tie_word_embeddings=False)
 NEW_TOKENS = 8
 # past every scaling's original context (32), and prefilled in chunks of 32 below
 PROMPTS = [[(7 * i + 3) % VOCAB for i in range(64)], [(11 * i + 5) % VOCAB for i in range(41)]]
@@ -41,36 +37,11 @@ ROPE_SCALINGS = {
 }
 
 
-def save(reference, folder) -> None:
-    reference.generation_config.eos_token_id = None  # all tokens, as ignore_eos does
-    reference.generation_config.pad_token_id = 0
-    reference.save_pretrained(folder)
-
-
-def hf_greedy(reference, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
-
-
 def assert_matches_transformers(reference, folder, tokenizer) -> None:
     """Logits of each prompt and greedy tokens of both prompts batched, through the loader and
     the engine (prefill chunks of 32), equal transformers' for the same folder."""
-    runner = ModelRunner(folder, dtype="float32", num_blocks=32, block_size=16)
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            expected = reference(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(forward_logits(runner.model, prompt), expected,
-                                   atol=1e-4, rtol=1e-4)
-    engine = Engine(runner=runner, tokenizer=tokenizer,
-                    scheduler_config=SchedulerConfig(max_prefill_chunk=32))
-    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    completions = engine.generate(PROMPTS, greedy)
-    engine.scheduler.check_invariants()
-    for prompt, completion in zip(PROMPTS, completions):
-        assert completion.token_ids == hf_greedy(reference, prompt)
+    families.assert_matches_transformers(reference, folder, tokenizer, PROMPTS,
+                                         new_tokens=NEW_TOKENS, chunk=32)
 
 
 def llama(rope_scaling: dict | None, max_positions: int, **extra):
@@ -172,23 +143,6 @@ def test_unknown_model_type_names_the_supported_ones(tmp_path):
 
 # ---- GGUF files, written as llama.cpp's converter writes them -------------------------------
 
-_GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
-               "output_norm.weight", "lm_head.weight": "output.weight"}
-_GGUF_LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def llama_cpp_permute(weight, heads: int):
-    """llama.cpp's q/k row order for its Llama rotary: each head's two halves interleaved."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(
-        1, 2).reshape(weight.shape)
-
-
 def write_gguf(reference, path, arch: str, scaling: dict | None = None, rope_freqs=None) -> None:
     from gguf import GGUFWriter
 
@@ -214,8 +168,8 @@ def write_gguf(reference, path, arch: str, scaling: dict | None = None, rope_fre
         writer.add_tensor("rope_freqs.weight", rope_freqs.numpy().astype("float32"))
     for name, tensor in reference.state_dict().items():
         values = tensor.numpy().astype("float32")
-        if name in _GGUF_NAMES:
-            writer.add_tensor(_GGUF_NAMES[name], values)
+        if name in GGUF_NAMES:
+            writer.add_tensor(GGUF_NAMES[name], values)
             continue
         index, rest = name.removeprefix("model.layers.").split(".", 1)
         module, kind = rest.rsplit(".", 1)
@@ -223,7 +177,7 @@ def write_gguf(reference, path, arch: str, scaling: dict | None = None, rope_fre
             values = llama_cpp_permute(values, cfg.num_attention_heads)
         elif arch == "llama" and module == "self_attn.k_proj":
             values = llama_cpp_permute(values, cfg.num_key_value_heads)
-        writer.add_tensor(f"blk.{index}.{_GGUF_LAYER_NAMES[module]}.{kind}", values)
+        writer.add_tensor(f"blk.{index}.{GGUF_LAYER_NAMES[module]}.{kind}", values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -248,17 +202,6 @@ def llama_cpp_llama3_divisors(head_dim: int, theta: float, rope: dict) -> torch.
     return torch.tensor(divisors)
 
 
-def assert_transformers_reads_it_alike(reference, path) -> None:
-    """transformers' own GGUF reader finds the reference's weights in the file: it is laid out
-    as llama.cpp lays it out."""
-    from_file = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, config=reference.config,
-        dtype=torch.float32).eval()
-    ids = torch.tensor([PROMPTS[1]])
-    with torch.no_grad():
-        torch.testing.assert_close(from_file(ids).logits, reference(ids).logits)
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_qwen_gguf_matches_transformers(tmp_path, smollm_tokenizer, arch):
     """llama.cpp keeps Qwen's q/k rows in their own order (only Llama's are permuted)."""
@@ -275,7 +218,7 @@ def test_qwen_gguf_matches_transformers(tmp_path, smollm_tokenizer, arch):
             torch.nn.init.normal_(weight, mean=1.0, std=0.5)
     path = tmp_path / f"{arch}.gguf"
     write_gguf(reference, path, arch)
-    assert_transformers_reads_it_alike(reference, path)
+    assert_transformers_reads_it_alike(reference, path, PROMPTS[1])
     ours = read_model_config(path)
     assert (ours.qk_norm, ours.qkv_bias) == (arch == "qwen3", arch == "qwen2")
     assert_matches_transformers(reference, path, smollm_tokenizer)

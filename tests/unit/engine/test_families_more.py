@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from sluice.actors.engine import Engine
 from sluice.actors.executor.loader import ModelLoadError, load_weights, read_model_config
 from sluice.actors.executor.model import LlamaModel
-from sluice.actors.executor.runner import ModelRunner
-from sluice.actors.scheduler import SchedulerConfig
-from sluice.actors.scheduler.plan import SamplingParams
 
-from test_families import SHAPE, VOCAB, assert_transformers_reads_it_alike, save
-from test_loader import forward_logits
+from support import families
+from support.families import (
+    GGUF_LAYER_NAMES, GGUF_NAMES, SHAPE, VOCAB, assert_transformers_reads_it_alike, forward_logits,
+    llama_cpp_permute, save,
+)  # fmt: skip
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,29 +27,11 @@ PROMPTS = [[(7 * i + 3) % VOCAB for i in range(40)], [(11 * i + 5) % VOCAB for i
            [(13 * i + 1) % VOCAB for i in range(23)]]
 
 
-def hf_greedy(reference, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
-
-
 def assert_matches_transformers(reference, folder, tokenizer) -> None:
     """The first prompt's logits, then 24 greedy tokens of every prompt batched (prefill in
     chunks of 16), equal transformers'; the KV pool is consistent after."""
-    runner = ModelRunner(folder, dtype="float32", num_blocks=32, block_size=16)
-    with torch.no_grad():
-        expected = reference(torch.tensor([PROMPTS[0]])).logits[0]
-    torch.testing.assert_close(forward_logits(runner.model, PROMPTS[0]), expected,
-                               atol=1e-4, rtol=1e-4)
-    engine = Engine(runner=runner, tokenizer=tokenizer,
-                    scheduler_config=SchedulerConfig(max_prefill_chunk=16))
-    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    completions = engine.generate(PROMPTS, greedy)
-    engine.scheduler.check_invariants()
-    for prompt, completion in zip(PROMPTS, completions):
-        assert completion.token_ids == hf_greedy(reference, prompt)
+    families.assert_matches_transformers(reference, folder, tokenizer, PROMPTS,
+                                         new_tokens=NEW_TOKENS, chunk=16, logits_of=1)
 
 
 def build(config_class, model_class, **options):
@@ -206,7 +187,7 @@ def test_missing_and_misshapen_weights_are_refused(tmp_path):
 
 # ---- GGUF files, written as llama.cpp's converter writes them -------------------------------
 
-_GGUF_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+_GGUF_FUSED_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
                "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
 _GGUF_GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm",
                      "pre_feedforward_layernorm": "ffn_norm",
@@ -222,8 +203,6 @@ def write_family_gguf(folder, path, arch: str) -> None:
     from gguf import GGUFWriter
     from safetensors.torch import load_file
 
-    from test_families import _GGUF_LAYER_NAMES as LAYER_NAMES, _GGUF_NAMES as TOP_NAMES
-    from test_families import llama_cpp_permute
 
     cfg = json.loads((folder / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -260,8 +239,8 @@ def write_family_gguf(folder, path, arch: str) -> None:
         values = tensor.numpy().astype("float32")
         if gemma and name.endswith("norm.weight"):
             values = values + 1
-        if name in TOP_NAMES:
-            writer.add_tensor(TOP_NAMES[name], values)
+        if name in GGUF_NAMES:
+            writer.add_tensor(GGUF_NAMES[name], values)
             continue
         index, rest = name.removeprefix("model.layers.").split(".", 1)
         module, kind = rest.rsplit(".", 1)
@@ -272,8 +251,8 @@ def write_family_gguf(folder, path, arch: str) -> None:
             continue
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             values = llama_cpp_permute(values, heads if "q_proj" in module else kv_heads)
-        gguf_module = ((gemma and _GGUF_GEMMA_NORMS.get(module)) or _GGUF_NAMES.get(module)
-                       or LAYER_NAMES[module])
+        gguf_module = ((gemma and _GGUF_GEMMA_NORMS.get(module)) or _GGUF_FUSED_NAMES.get(module)
+                       or GGUF_LAYER_NAMES[module])
         writer.add_tensor(f"blk.{index}.{gguf_module}.{kind}", values)
     for name, parts in stacked.items():
         writer.add_tensor(name, np.stack([values for _, values in sorted(parts)]))
@@ -302,7 +281,7 @@ def test_gguf_phi3_and_experts_match_transformers(tmp_path, arch):
     path = tmp_path / f"{arch}.gguf"
     write_family_gguf(folder, path, arch)
     if arch != "llama":
-        assert_transformers_reads_it_alike(reference, path)
+        assert_transformers_reads_it_alike(reference, path, PROMPTS[0])
     config, weights = load_weights(path, torch.float32)
     assert config.num_experts == (0 if arch == "phi3" else 4)
     with torch.no_grad():
@@ -332,7 +311,7 @@ def test_gguf_gemma_matches_transformers(tmp_path, arch):
     save(reference, folder)
     path = tmp_path / f"{arch}.gguf"
     write_family_gguf(folder, path, arch)
-    assert_transformers_reads_it_alike(reference, path)
+    assert_transformers_reads_it_alike(reference, path, PROMPTS[0])
     config, weights = load_weights(path, torch.float32)
     assert config.layer_types == read_model_config(folder).layer_types
     with torch.no_grad():

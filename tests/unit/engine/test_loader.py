@@ -5,22 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.families import forward_logits
+
 from sluice.actors.executor.loader import ModelLoadError, load_weights, resolve_model_path
-from sluice.actors.executor.model import AttentionInputs, LlamaModel
+from sluice.actors.executor.model import LlamaModel
 
 transformers = pytest.importorskip("transformers")
-
-
-def forward_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
-    n = len(ids)
-    blocks = -(-n // 16)
-    pool = model.new_kv_pool(blocks, 16)
-    attn = AttentionInputs(slot_mapping=torch.arange(n),
-                           block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-                           query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                           seq_lens=torch.tensor([n], dtype=torch.int32))
-    hidden = model.forward(torch.tensor(ids), torch.arange(n), pool, attn)
-    return model.logits(hidden)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
