@@ -188,7 +188,7 @@ def test_missing_and_misshapen_weights_are_refused(tmp_path):
 # ---- GGUF files, written as llama.cpp's converter writes them -------------------------------
 
 _GGUF_FUSED_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
-               "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+                     "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
 _GGUF_GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm",
                      "pre_feedforward_layernorm": "ffn_norm",
                      "post_feedforward_layernorm": "post_ffw_norm"}
