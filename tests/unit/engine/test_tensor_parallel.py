@@ -27,7 +27,7 @@ from sluice.actors.executor.tensor_parallel import (
 from sluice.actors.scheduler import SchedulerConfig
 from sluice.actors.scheduler.plan import SamplingParams
 
-from test_families import SHAPE, VOCAB, save
+from support.families import SHAPE, VOCAB, save
 
 transformers = pytest.importorskip("transformers")
 
