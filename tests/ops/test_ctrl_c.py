@@ -5,16 +5,15 @@ whether it serves already or is still loading its model."""
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from support.daemon import assert_drained_and_consistent_sync
+from support.output import LineReader
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,27 +30,10 @@ class Terminal:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "SLUICE_LOG_LEVEL": "info"}, start_new_session=True,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
+        self.output = LineReader(self.process.stdout)
 
     def read_until(self, marker: str, timeout: float) -> str:
-        end = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, end - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None:
-                raise AssertionError(f"no line with {marker!r}: {self.output[-20:]}")
-            self.output.append(line)
-            if marker in line:
-                return line
+        return self.output.until(marker, timeout)[-1]
 
     def ctrl_c(self) -> tuple[int, str]:
         """SIGINT to the process group, as the terminal sends it; (exit code, all output)."""
@@ -60,10 +42,8 @@ class Terminal:
             code = self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"Ctrl-C did not stop the daemon in 60 s: "
-                                 f"{self.output[-20:]}") from None
-        while (line := self.lines.get(timeout=10)) is not None:
-            self.output.append(line)
-        return code, "".join(self.output)
+                                 f"{self.output.seen[-20:]}") from None
+        return code, "\n".join(self.output.rest(10))
 
     def kill(self) -> None:
         if self.process.poll() is None:

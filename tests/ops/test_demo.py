@@ -9,64 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
 from sluice.daemon.demo import QUESTION
 
 from support.daemon import assert_drained_and_consistent_sync
+from support.output import LineReader
 
 pytestmark = pytest.mark.timeout(300)
-
-ESCAPES = re.compile(r"\x1b\[[0-9;]*m")  # a caller's FORCE_COLOR would colour the log
-
-
-class Output:
-    """The demo's merged stdout and stderr, line by line as it comes (read by a thread: a
-    line already buffered is never left waiting for more output)."""
-
-    def __init__(self, process: subprocess.Popen):
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.seen: list[str] = []
-        self.thread = threading.Thread(target=self._read, args=(process.stdout,), daemon=True)
-        self.thread.start()
-
-    def _read(self, stream) -> None:
-        for line in stream:
-            self.lines.put(ESCAPES.sub("", line.rstrip("\n")))
-        self.lines.put(None)
-
-    def until(self, marker: str, timeout: float) -> list[str]:
-        """The lines up to the one containing `marker`, from where the last call stopped."""
-        taken: list[str] = []
-        end = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, end - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None:
-                raise AssertionError(f"no line with {marker!r} within {timeout}s; "
-                                     f"got {(self.seen + taken)[-20:]}")
-            taken.append(line)
-            if marker in line:
-                self.seen += taken
-                return taken
-
-    def rest(self, timeout: float) -> list[str]:
-        """Every line until the output ends."""
-        self.thread.join(timeout=timeout)
-        while (line := self.lines.get_nowait() if not self.lines.empty() else None) is not None:
-            self.seen.append(line)
-        return self.seen
-
 
 def test_make_run_answers_and_keeps_serving_until_ctrl_c(tmp_path) -> None:
     control = f"ipc://{tmp_path}/control.sock"
@@ -79,7 +34,7 @@ def test_make_run_answers_and_keeps_serving_until_ctrl_c(tmp_path) -> None:
         # ignored, and a Python started so never turns Ctrl-C into KeyboardInterrupt:
         # start the demo as a terminal would
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    output = Output(demo)
+    output = LineReader(demo.stdout)
     try:
         lines = output.until("keeps serving", 240)
         listen = next(line for line in lines if line.startswith("sluiced ready")).split()[2]
