@@ -17,6 +17,10 @@ from typing import ClassVar
 from sluice.ipc.vocabulary import FinishReason, RejectCode, SamplingParams, TenantLimits
 
 PROTOCOL_MAJOR = 2
+# 2.2: `SamplingParams` may carry a logit bias (`logit_bias_ids`, `logit_bias_values`) and a
+#      grammar (`grammar_kind`, `grammar`); the control status counts `drain_refusals`. A 2.1
+#      daemon refuses a request that carries the new sampling fields (they are not top-level
+#      fields it may ignore), so a constraint is never dropped silently
 # 2.1: `ServerInfo.max_credits` says how many credits the daemon lets a request hold, so a
 #      client never waits for more chunks than it will be sent. A 2.0 client cannot read a
 #      2.1 `ServerInfo` (its codec refuses the field); from 2.1 on a reader ignores the
@@ -35,7 +39,7 @@ PROTOCOL_MAJOR = 2
 # 1.4: `Chunk.logprobs` holds a `TokenLogprobs` per token (its text and the most likely
 #      alternatives) instead of a bare float; only a request that asked for `logprobs` gets
 #      one, and a 1.3 peer that asked (its client library could not) cannot read it
-PROTOCOL_MINOR = 1
+PROTOCOL_MINOR = 2
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 
@@ -44,8 +48,11 @@ PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 @dataclass(frozen=True)
 class ChatMessage:
-    role: str  # system | user | assistant
+    role: str  # system | user | assistant | tool
     content: str
+    # an assistant turn's function calls, as the JSON text of OpenAI's `tool_calls` list
+    tool_calls: str = ""
+    tool_call_id: str = ""  # a `tool` turn: the call it answers
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,9 @@ class Generate:
     # seconds from the daemon's receipt after which the request ends with `timeout`,
     # waiting or running (None: its tenant's default, if it has one)
     timeout: float | None = None
+    # the functions the model may call, as the JSON text of OpenAI's `tools` list: the chat
+    # template is given them (a template that takes none gets them in a system preamble)
+    tools: str | None = None
 
 
 @dataclass(frozen=True)
