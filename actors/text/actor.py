@@ -40,6 +40,7 @@ After each message it tells the Scheduler how many messages its inbox still hold
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import traceback
 from collections import Counter
@@ -77,8 +78,41 @@ def prompt_bytes(request: m.Generate) -> int:
     if request.prompt is not None:
         return len(request.prompt.encode())
     if request.messages is not None:
-        return sum(len(c.role.encode()) + len(c.content.encode()) for c in request.messages)
+        return (sum(len(c.role.encode()) + len(c.content.encode()) + len(c.tool_calls.encode())
+                    for c in request.messages) + len((request.tools or "").encode()))
     return 0
+
+
+def chat_of(request: m.Generate) -> tuple[list[dict], list[dict] | None]:
+    """The messages and tools a chat request gives the template, as transformers has them;
+    the JSON texts of tools and calls read here (a ZeroMQ client's may be anything)."""
+    chat = []
+    for i, c in enumerate(request.messages):
+        message: dict = {"role": c.role, "content": c.content}
+        if c.tool_calls:
+            calls = _json_list(f"messages[{i}].tool_calls", c.tool_calls)
+            for j, call in enumerate(calls):
+                function = call.get("function") if isinstance(call, dict) else None
+                if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                        and isinstance(function.get("arguments"), str)):
+                    raise InvalidParams(f"messages[{i}].tool_calls[{j}]", "must be an object "
+                                        "with function: {name, arguments (a JSON string)}")
+            message["tool_calls"] = calls
+        if c.tool_call_id:
+            message["tool_call_id"] = c.tool_call_id
+        chat.append(message)
+    tools = None if request.tools is None else _json_list("tools", request.tools)
+    return chat, tools
+
+
+def _json_list(field: str, text: str) -> list:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise InvalidParams(field, "is not JSON") from None
+    if not isinstance(value, list):
+        raise InvalidParams(field, "must be a list")
+    return value
 
 
 @dataclass
@@ -271,8 +305,7 @@ class Tokenizer(Actor):
         if request.prompt_ids is not None:
             return lambda: list(request.prompt_ids)
         if request.messages is not None:
-            chat = [{"role": c.role, "content": c.content} for c in request.messages]
-            return lambda: self.tokenizer.encode_chat(chat)
+            return lambda: self.tokenizer.encode_chat(*chat_of(request))
         return lambda: self.tokenizer.encode(request.prompt)
 
     def _admit(self, msg: am.Encode, prompt_ids: list[int]) -> None:

@@ -83,18 +83,26 @@ class Tokenizer:
             self._byte_vocabulary = None if pieces is None else ByteVocabulary(pieces)
         return self._byte_vocabulary
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The template's text for `messages`. `tools` (OpenAI's list of functions) reach the
+        template as its `tools` variable, as transformers passes them; a template that never
+        reads `tools` gets them in a system preamble instead, asking for Hermes-style
+        `<tool_call>` blocks, and one that never reads `tool_calls` gets an assistant's calls
+        and the `tool` turns' results as plain text in the messages (`with_tools`)."""
         _check_messages(messages)
         if self.chat_template is None:
             raise InvalidParams("messages", "this model has no chat template")
         from jinja2.exceptions import TemplateError
 
+        messages, tools = with_tools(self.chat_template, messages, tools)
         token = self.backend.id_to_token
         try:
             if self._template is None:
                 self._template = _compile_template(self.chat_template)
             return self._template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=token(self.bos_token_id) if self.bos_token_id is not None else "",
                 eos_token=token(min(self.eos_token_ids)) if self.eos_token_ids else "",
@@ -106,7 +114,7 @@ class Tokenizer:
             raise InvalidParams("messages", "the model's chat template failed on them: "
                                 f"{type(exc).__name__}: {_clipped(str(exc))}") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The template's text, tokenized. The template writes any BOS itself, and its special
         tokens are matched whole; a message's role and content are plain text: where one
         spells a special token (`<|im_end|>`) it is tokenized as the characters it is, so a
@@ -122,10 +130,16 @@ class Tokenizer:
                 return placeholder
 
             _check_messages(messages)
+            messages, tools = with_tools(self.chat_template or "", messages, tools)
             messages = [{**message, "role": pattern.sub(hide, message["role"]),
                          "content": pattern.sub(hide, message["content"])}
                         for message in messages]
-        text = self.apply_chat_template(messages)
+            messages = [{**message, "tool_calls": json.loads(pattern.sub(
+                            hide, json.dumps(message["tool_calls"])))}
+                        if message.get("tool_calls") else message for message in messages]
+            if tools is not None:  # a template's own rendering of them: no special tokens
+                tools = json.loads(pattern.sub(hide, json.dumps(tools)))
+        text = self.apply_chat_template(messages, tools=tools)
         if not spelled:
             return self._encode_ids(text)
         return self._encode_spelled(text, nonce, spelled)
@@ -188,6 +202,62 @@ class Tokenizer:
         if len(text) > _RELEASE_GIL_CHARS:
             return backend.encode_batch([text], add_special_tokens=False)[0]
         return backend.encode(text, add_special_tokens=False)
+
+
+TOOL_PREAMBLE = (
+    "You may call one or more functions to help with the user's request. The functions, "
+    "as JSON schemas:\n<tools>\n{tools}\n</tools>\nTo call a function, answer with a JSON "
+    "object of its name and arguments between tags:\n"
+    '<tool_call>{{"name": <function-name>, "arguments": <arguments-object>}}</tool_call>'
+)
+
+
+def with_tools(template: str, messages: list[dict],
+               tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+    """The messages and tools a template is given. A template that reads `tools` takes
+    them as they are; one that does not gets them as a system preamble (Hermes' format),
+    merged into the first system message or put before the others. A template that does
+    not read `tool_calls` gets each assistant's calls as `<tool_call>` blocks after its
+    content, and each `tool` turn as a user turn of a `<tool_response>` block. Applied twice,
+    the second time changes nothing."""
+    if tools and "tools" not in template:
+        listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        preamble = TOOL_PREAMBLE.format(tools=listed)
+        if messages and messages[0].get("role") == "system":
+            messages = [{**messages[0], "content": messages[0]["content"] + "\n\n" + preamble},
+                         *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": preamble}, *messages]
+        tools = None
+    if "tool_calls" not in template and any(
+            message.get("tool_calls") or message.get("role") == "tool" for message in messages):
+        plain = []
+        for message in messages:
+            message = dict(message)
+            calls = message.pop("tool_calls", None)
+            message.pop("tool_call_id", None)
+            if calls:
+                blocks = "".join(
+                    "<tool_call>" + json.dumps(
+                        {"name": call["function"]["name"],
+                         "arguments": _arguments(call["function"]["arguments"])},
+                        ensure_ascii=False) + "</tool_call>" for call in calls)
+                message["content"] = (message["content"] + "\n" if message["content"]
+                                      else "") + blocks
+            if message["role"] == "tool":  # as a user turn, as Qwen's templates write it
+                message["role"] = "user"
+                message["content"] = f"<tool_response>{message['content']}</tool_response>"
+            plain.append(message)
+        messages = plain
+    return messages, tools or None
+
+
+def _arguments(text: str):
+    """A call's `arguments` (a JSON string) as the value it spells, else the text itself."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return text
 
 
 def _check_messages(messages) -> None:
