@@ -88,6 +88,9 @@ class Exchange:
         self.credits_owed = 0
         self.delta_event = api.DeltaEvents(request, request_id, self.created)
         self.first_token: trio.Event | None = None  # set at the first chunk, when given
+        # a streamed answer whose `<tool_call>` blocks are sent as tool calls
+        self.tool_calls = api.ToolCalls() if request.tool_calls and request.stream else None
+        self.calls_sent = 0
 
     async def run(self) -> None:
         while True:  # everything that waits is answered together, in one write
@@ -105,7 +108,9 @@ class Exchange:
                 if self.first_token is not None:
                     self.first_token.set()
                 self.credits_owed += 1
-                if self.request.stream:
+                if self.tool_calls is not None:
+                    events.append(self._tool_events(self.tool_calls.feed(item.text)))
+                elif self.request.stream:
                     events.append(self._chunk_event(item))
                 else:
                     self.text.append(item.text)
@@ -156,6 +161,18 @@ class Exchange:
         return api.stream_event(self.request, self.request_id, self.created, chunk.text, None,
                                 logprobs=logprobs)
 
+    def _tool_events(self, parts: list) -> bytes:
+        """The events of a streamed answer's content and tool calls."""
+        events = []
+        for kind, part in parts:
+            if kind == "content":
+                events.append(self.delta_event(part))
+            else:
+                events.append(api.tool_call_event(self.request, self.request_id, self.created,
+                                                  self.calls_sent, part))
+                self.calls_sent += 1
+        return b"".join(events)
+
     async def _start(self) -> None:
         self.started = True
         await self.send({"type": "http.response.start", "status": 200, "headers": [
@@ -185,6 +202,10 @@ class Exchange:
                 self.request, self.request_id, self.created, "".join(self.text), finish, used,
                 api.logprobs_body(self.request, self.logprobs)))
             return
+        if self.tool_calls is not None:
+            pending += self._tool_events(self.tool_calls.end())
+            if self.calls_sent and finish == "stop":
+                finish = "tool_calls"
         events = pending + api.stream_event(self.request, self.request_id, self.created, None,
                                             finish)
         if self.request.include_usage:

@@ -17,8 +17,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +31,7 @@ from sluice.ipc.vocabulary import (
 )
 
 # refused by name: a client that relies on one of them must not get a silent wrong answer
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call",
+UNSUPPORTED = ("functions", "function_call",
                "echo", "best_of", "suffix",
                "parallel_tool_calls", "audio", "modalities", "prediction")
 # accepted and without effect on the output
@@ -41,14 +43,17 @@ _COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "to
            "stop", "n", "presence_penalty", "frequency_penalty", "logit_bias",
            "response_format", *EXTENSIONS, *IGNORED)
 CHAT_PARAMETERS = frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs",
-                             "top_logprobs"))
+                             "top_logprobs", "tools", "tool_choice"))
 COMPLETION_PARAMETERS = frozenset((*_COMMON, "prompt", "logprobs"))
 MAX_LOGPROBS = 20  # alternatives per token, as `SamplingParams` allows
 # the spellings of a grammar a request may use, one at a time: (where, kind) as parsed
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}
 STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
 JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function's name, as OpenAI takes it
+TOOL_CHOICES = ("none", "auto", "required")
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"  # the Hermes/Qwen format of a call
 
 
 DEFAULT_LIMITS = Limits()
@@ -87,6 +92,7 @@ class ApiRequest:
     include_usage: bool  # stream_options.include_usage: a last event with the usage
     model: str
     n: int = 1  # choices: each its own request, with its own seed stream
+    tool_calls: bool = False  # the output's `<tool_call>` blocks are answered as tool calls
 
     @property
     def logprobs(self) -> bool:
@@ -150,8 +156,16 @@ def chat_request(body: dict[str, Any], *, request_id: str, tenant: str, credits:
     if not isinstance(messages, list):
         raise invalid("messages", "must be a list of messages")
     chat = tuple(_chat_message(i, message) for i, message in enumerate(messages))
-    return _request(body, request_id, tenant, credits, max_model_len, limits, chat=True,
-                    messages=chat)
+    tools, choice = _tools(body, limits)
+    request = _request(body, request_id, tenant, credits, max_model_len, limits, chat=True,
+                       messages=chat, tools=None if choice == "none" else _json_text(tools),
+                       forced=None if choice in ("none", "auto") else tool_grammar(
+                           tools, None if choice == "required" else choice))
+    if choice == "none":
+        return request
+    if request.stream and request.logprobs:
+        raise invalid("logprobs", "is not answered with tools in a stream")
+    return dataclasses.replace(request, tool_calls=True)
 
 
 def completion_request(body: dict[str, Any], *, request_id: str, tenant: str, credits: int,
@@ -190,10 +204,23 @@ def _chat_message(index: int, message: Any) -> m.ChatMessage:
     role = message.get("role")
     if role not in CHAT_ROLES:
         raise invalid(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}")
+    known = ("role", "content", "name", *{"assistant": ("tool_calls", "refusal"),
+                                          "tool": ("tool_call_id",)}.get(role, ()))
     for name in message:
-        if name not in ("role", "content", "name"):
-            raise invalid(f"{where}.{name}", "is not supported by this server")
+        if name not in known:
+            raise invalid(f"{where}.{name}", "is not supported by this server"
+                          if name not in ("tool_calls", "tool_call_id")
+                          else f"is not taken in a {role} message")
+    calls = "" if message.get("tool_calls") is None else _message_calls(
+        f"{where}.tool_calls", message["tool_calls"])
+    call_id = ""
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise invalid(f"{where}.tool_call_id", "must name the call this message answers")
     content = message.get("content")
+    if content is None and calls:
+        content = ""  # an assistant turn of calls alone
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
@@ -205,11 +232,109 @@ def _chat_message(index: int, message: Any) -> m.ChatMessage:
         content = "".join(parts)
     if not isinstance(content, str):
         raise invalid(f"{where}.content", "must be a string or a list of text parts")
-    return m.ChatMessage("system" if role == "developer" else role, content)
+    return m.ChatMessage("system" if role == "developer" else role, content, calls, call_id)
+
+
+def _message_calls(where: str, calls: Any) -> str:
+    """An assistant message's `tool_calls`, checked, as compact JSON text."""
+    if not isinstance(calls, list):
+        raise invalid(where, "must be a list of tool calls")
+    for i, call in enumerate(calls):
+        at = f"{where}[{i}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function":
+            raise invalid(at, 'must be an object of type "function"')
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise invalid(f"{at}.function", "must be an object with name and arguments")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise invalid(f"{at}.function.name", "must be a non-empty string")
+        if not isinstance(function.get("arguments"), str):
+            raise invalid(f"{at}.function.arguments", "must be a string (the arguments' JSON)")
+        if not isinstance(call.get("id", ""), str):
+            raise invalid(f"{at}.id", "must be a string")
+    return _json_text(calls)
+
+
+def _json_text(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _tools(body: dict[str, Any], limits: Limits) -> tuple[list[dict], str]:
+    """The functions of `tools`, each checked, and what `tool_choice` asks: "none", "auto",
+    "required" or the name of the one function the answer must call."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice", "needs tools")
+        return [], "none"
+    if not isinstance(tools, list) or not tools:
+        raise invalid("tools", "must be a non-empty list of functions")
+    size = len(_json_text(tools).encode())
+    if size > limits.max_grammar_bytes:
+        raise invalid("tools", f"{size} bytes exceed limits.max_grammar_bytes = "
+                      f"{limits.max_grammar_bytes}")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise invalid(f"{where}.type", 'must be "function"')
+        if set(tool) - {"type", "function"}:
+            raise invalid(f"{where}.{sorted(set(tool) - {'type', 'function'})[0]}",
+                          "unknown field")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise invalid(f"{where}.function", "must be an object with name and parameters")
+        unknown = set(function) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            raise invalid(f"{where}.function.{sorted(unknown)[0]}", "unknown field")
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise invalid(f"{where}.function.name", "must be 1 to 64 letters, digits, _ or -, "
+                          f"got {shown(name)}")
+        if name in names:
+            raise invalid(f"{where}.function.name", f"{name!r} is named twice")
+        names.add(name)
+        if not isinstance(function.get("description", ""), str):
+            raise invalid(f"{where}.function.description", "must be a string")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise invalid(f"{where}.function.parameters", "must be a JSON schema (an object)")
+        if not isinstance(function.get("strict", False), (bool, type(None))):
+            raise invalid(f"{where}.function.strict", "must be a boolean")
+    if choice is None or choice in TOOL_CHOICES:
+        return tools, choice or "auto"
+    if (isinstance(choice, dict) and choice.get("type") == "function"
+            and isinstance(choice.get("function"), dict)
+            and isinstance(choice["function"].get("name"), str)):
+        if choice["function"]["name"] not in names:
+            raise invalid("tool_choice.function.name", f"{shown(choice['function']['name'])} "
+                          "is none of the tools")
+        return tools, choice["function"]["name"]
+    raise invalid("tool_choice", 'must be "none", "auto", "required" or {"type": "function", '
+                  '"function": {"name": ...}}')
+
+
+def tool_grammar(tools: list[dict], name: str | None) -> str:
+    """A Lark grammar (llguidance's, with its `%json`) for exactly one `<tool_call>` block
+    whose JSON is {"name", "arguments"}: `name` one of the tools (or the `name` given) and
+    `arguments` valid for that function's parameters."""
+    alternatives = []
+    for tool in tools:
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        parameters = function.get("parameters") or {"type": "object"}
+        alternatives.append({"type": "object", "properties": {
+            "name": {"const": function["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False})
+    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return (f"start: {json.dumps(TOOL_OPEN)} call {json.dumps(TOOL_CLOSE)}\n"
+            f"call: %json {_json_text(schema)}\n")
 
 
 def _request(body: dict[str, Any], request_id: str, tenant: str, credits: int,
-             max_model_len: int, limits: Limits, *, chat: bool, **prompt: Any) -> ApiRequest:
+             max_model_len: int, limits: Limits, *, chat: bool, forced: str | None = None,
+             **prompt: Any) -> ApiRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "must name the model (see GET /v1/models)")
@@ -229,14 +354,15 @@ def _request(body: dict[str, Any], request_id: str, tenant: str, credits: int,
     if n > 1 and stream:
         raise invalid("n", "more than one choice is answered without stream only")
     timeout = None if body.get("timeout") is None else _number(body, "timeout")
-    generate = m.Generate(request_id, sampling=_sampling(body, chat, max_model_len, limits),
+    generate = m.Generate(request_id, sampling=_sampling(body, chat, max_model_len, limits,
+                                                         forced),
                           priority=_typed(body, "priority", int, 0), tenant=tenant,
                           credits=credits, timeout=timeout, **prompt)
     return ApiRequest(generate, chat, stream, include_usage, model, n)
 
 
 def _sampling(body: dict[str, Any], chat: bool, max_model_len: int,
-              limits: Limits) -> SamplingParams:
+              limits: Limits, forced: str | None = None) -> SamplingParams:
     max_tokens = body.get("max_tokens")
     name = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
@@ -271,6 +397,14 @@ def _sampling(body: dict[str, Any], chat: bool, max_model_len: int,
     if bias:
         values["logit_bias_ids"], values["logit_bias_values"] = zip(*bias)
     grammar = _grammar(body, limits)
+    if forced is not None:  # a tool call the answer must make: the grammar of its block
+        if grammar is not None:
+            raise invalid("tool_choice", f"a forced tool call is a constraint of its own: "
+                          f"{grammar_param(body)} is given too")
+        if len(forced.encode()) > limits.max_grammar_bytes:
+            raise invalid("tools", f"the grammar of the forced call exceeds "
+                          f"limits.max_grammar_bytes = {limits.max_grammar_bytes}")
+        grammar = ("lark", forced)
     if grammar is not None:
         values["grammar_kind"], values["grammar"] = grammar
     try:
@@ -380,6 +514,8 @@ def _grammar(body: dict[str, Any], limits: Limits) -> tuple[str, str] | None:
 
 def grammar_param(body: dict[str, Any]) -> str:
     """Which parameter of a body carried its grammar (what an error about it names)."""
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        return "tools"
     if isinstance(body.get("response_format"), dict):
         return ("response_format.json_schema.schema"
                 if body["response_format"].get("type") == "json_schema" else "response_format")
@@ -562,8 +698,17 @@ def completion_body(request: ApiRequest, request_id: str, created: int, text: st
                     reason: str, used: dict[str, Any],
                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if request.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": logprobs, "finish_reason": reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if request.tool_calls:
+            parser = ToolCalls()
+            parts = parser.feed(text) + parser.end()
+            content = "".join(part for kind, part in parts if kind == "content")
+            calls = [part for kind, part in parts if kind == "call"]
+            message["content"] = content if content.strip() else None
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
     return {"id": response_id(request.chat, request_id),
@@ -595,6 +740,81 @@ def stream_event(request: ApiRequest, request_id: str, created: int, text: str |
     if request.include_usage:
         event["usage"] = used
     return sse(event)
+
+
+def tool_call_event(request: ApiRequest, request_id: str, created: int, index: int,
+                    call: dict[str, Any]) -> bytes:
+    """A streamed tool call, whole: one `delta.tool_calls` entry, as OpenAI streams them."""
+    delta = {"tool_calls": [{"index": index, **call}]}
+    return sse({"id": response_id(True, request_id), "object": "chat.completion.chunk",
+                "created": created, "model": request.model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                             "finish_reason": None}],
+                **({"usage": None} if request.include_usage else {})})
+
+
+class ToolCalls:
+    """The model's text split into content and tool calls as it comes: each `<tool_call>`
+    block whose JSON is {"name": str, "arguments": object} is a call (OpenAI's shape, its
+    arguments a JSON string and its id new), any other text is content. Text that may be
+    the start of a block is held until it is known, so streamed and whole answers agree."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.inside = False
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        """("content", str) and ("call", dict) parts, in order, that `text` completes."""
+        self.held += text
+        parts: list[tuple[str, Any]] = []
+        while True:
+            if not self.inside:
+                at = self.held.find(TOOL_OPEN)
+                if at < 0:
+                    ready = len(self.held) - _open_prefix(self.held)
+                    if ready:
+                        parts.append(("content", self.held[:ready]))
+                        self.held = self.held[ready:]
+                    return parts
+                if at:
+                    parts.append(("content", self.held[:at]))
+                self.held, self.inside = self.held[at:], True
+            end = self.held.find(TOOL_CLOSE)
+            if end < 0:
+                return parts
+            block = self.held[:end + len(TOOL_CLOSE)]
+            self.held, self.inside = self.held[len(block):], False
+            call = parse_tool_call(block[len(TOOL_OPEN):-len(TOOL_CLOSE)])
+            parts.append(("content", block) if call is None else ("call", call))
+
+    def end(self) -> list[tuple[str, Any]]:
+        """What is left once the text ended: content (an unclosed block is text)."""
+        held, self.held, self.inside = self.held, "", False
+        return [("content", held)] if held else []
+
+
+def _open_prefix(text: str) -> int:
+    """How many characters at the end of `text` could begin `<tool_call>`."""
+    for size in range(min(len(text), len(TOOL_OPEN) - 1), 0, -1):
+        if TOOL_OPEN.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def parse_tool_call(text: str) -> dict[str, Any] | None:
+    """OpenAI's tool call for a block's JSON, None when it is not a call."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if (not isinstance(value, dict) or not isinstance(value.get("name"), str)
+            or not value["name"] or not isinstance(value.get("arguments", {}), (dict, str))):
+        return None
+    arguments = value.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": value["name"], "arguments": arguments}}
 
 
 class DeltaEvents:

@@ -217,7 +217,8 @@ async def test_each_refusal_has_its_status_and_names_its_parameter(null_daemon) 
             (dict(top_logprobs=2), "top_logprobs"),
             (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
             (dict(response_format={"type": "xml"}), "response_format.type"),
-            (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+            (dict(tools=[{"type": "function", "function": {"name": "f g"}}]),
+             "tools[0].function.name"),
             (dict(stop=["a", "b", "c"]), "stop"),
             (dict(extra_body={"frobnicate": 1}), "frobnicate"),
         ]

@@ -67,7 +67,8 @@ def test_a_bad_completion_body_names_its_parameter(body, param) -> None:
 
 @pytest.mark.parametrize("messages, param", [
     ("hi", "messages"),
-    ([{"role": "tool", "content": "x"}], "messages[0].role"),
+    ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
+    ([{"role": "robot", "content": "x"}], "messages[0].role"),
     ([{"role": "user", "content": None}], "messages[0].content"),
     ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
     ([{"role": "user", "content": [{"type": "input_audio"}]}], "messages[0].content[0]"),
