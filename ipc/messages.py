@@ -21,6 +21,8 @@ PROTOCOL_MAJOR = 2
 #      grammar (`grammar_kind`, `grammar`); the control status counts `drain_refusals`. A 2.1
 #      daemon refuses a request that carries the new sampling fields (they are not top-level
 #      fields it may ignore), so a constraint is never dropped silently
+#      Chat requests may carry OpenAI's tools: `Generate.tools`, `ChatMessage.tool_calls` and
+#      `ChatMessage.tool_call_id` (JSON texts and an id; empty by default)
 # 2.1: `ServerInfo.max_credits` says how many credits the daemon lets a request hold, so a
 #      client never waits for more chunks than it will be sent. A 2.0 client cannot read a
 #      2.1 `ServerInfo` (its codec refuses the field); from 2.1 on a reader ignores the

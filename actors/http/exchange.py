@@ -89,7 +89,8 @@ class Exchange:
         self.delta_event = api.DeltaEvents(request, request_id, self.created)
         self.first_token: trio.Event | None = None  # set at the first chunk, when given
         # a streamed answer whose `<tool_call>` blocks are sent as tool calls
-        self.tool_calls = api.ToolCalls() if request.tool_calls and request.stream else None
+        self.tool_calls = (api.ToolCalls(request.one_call)
+                           if request.tool_calls and request.stream else None)
         self.calls_sent = 0
 
     async def run(self) -> None:

@@ -32,8 +32,7 @@ from sluice.ipc.vocabulary import (
 
 # refused by name: a client that relies on one of them must not get a silent wrong answer
 UNSUPPORTED = ("functions", "function_call",
-               "echo", "best_of", "suffix",
-               "parallel_tool_calls", "audio", "modalities", "prediction")
+               "echo", "best_of", "suffix", "audio", "modalities", "prediction")
 # accepted and without effect on the output
 IGNORED = ("user", "store", "metadata", "service_tier")
 # ours: extensions both endpoints take, as vLLM spells them
@@ -43,7 +42,7 @@ _COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "to
            "stop", "n", "presence_penalty", "frequency_penalty", "logit_bias",
            "response_format", *EXTENSIONS, *IGNORED)
 CHAT_PARAMETERS = frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs",
-                             "top_logprobs", "tools", "tool_choice"))
+                             "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"))
 COMPLETION_PARAMETERS = frozenset((*_COMMON, "prompt", "logprobs"))
 MAX_LOGPROBS = 20  # alternatives per token, as `SamplingParams` allows
 # the spellings of a grammar a request may use, one at a time: (where, kind) as parsed
@@ -93,6 +92,7 @@ class ApiRequest:
     model: str
     n: int = 1  # choices: each its own request, with its own seed stream
     tool_calls: bool = False  # the output's `<tool_call>` blocks are answered as tool calls
+    one_call: bool = False  # parallel_tool_calls: false, only the first block is a call
 
     @property
     def logprobs(self) -> bool:
@@ -165,7 +165,8 @@ def chat_request(body: dict[str, Any], *, request_id: str, tenant: str, credits:
         return request
     if request.stream and request.logprobs:
         raise invalid("logprobs", "is not answered with tools in a stream")
-    return dataclasses.replace(request, tool_calls=True)
+    parallel = _typed(body, "parallel_tool_calls", bool, True)
+    return dataclasses.replace(request, tool_calls=True, one_call=not parallel)
 
 
 def completion_request(body: dict[str, Any], *, request_id: str, tenant: str, credits: int,
@@ -318,16 +319,26 @@ def tool_grammar(tools: list[dict], name: str | None) -> str:
     whose JSON is {"name", "arguments"}: `name` one of the tools (or the `name` given) and
     `arguments` valid for that function's parameters."""
     alternatives = []
+    # each function's `$defs` (and `definitions`) lifted to the root, where its `#/$defs/..`
+    # references point once its schema is nested in the call's
+    lifted: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
     for tool in tools:
         function = tool["function"]
         if name is not None and function["name"] != name:
             continue
         parameters = function.get("parameters") or {"type": "object"}
+        for key, defs in lifted.items():
+            found = parameters.get(key)
+            for def_name, schema in (found if isinstance(found, dict) else {}).items():
+                if defs.setdefault(def_name, schema) != schema:
+                    raise invalid("tools", f"two functions define {key}.{def_name} "
+                                  "differently: a forced call needs them alike")
         alternatives.append({"type": "object", "properties": {
             "name": {"const": function["name"]}, "arguments": parameters},
             "required": ["name", "arguments"], "additionalProperties": False})
     schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    schema = {**schema, **{key: defs for key, defs in lifted.items() if defs},
+              "x-guidance": {"whitespace_flexible": False}}
     return (f"start: {json.dumps(TOOL_OPEN)} call {json.dumps(TOOL_CLOSE)}\n"
             f"call: %json {_json_text(schema)}\n")
 
@@ -700,7 +711,7 @@ def completion_body(request: ApiRequest, request_id: str, created: int, text: st
     if request.chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if request.tool_calls:
-            parser = ToolCalls()
+            parser = ToolCalls(request.one_call)
             parts = parser.feed(text) + parser.end()
             content = "".join(part for kind, part in parts if kind == "content")
             calls = [part for kind, part in parts if kind == "call"]
@@ -756,12 +767,14 @@ def tool_call_event(request: ApiRequest, request_id: str, created: int, index: i
 class ToolCalls:
     """The model's text split into content and tool calls as it comes: each `<tool_call>`
     block whose JSON is {"name": str, "arguments": object} is a call (OpenAI's shape, its
-    arguments a JSON string and its id new), any other text is content. Text that may be
-    the start of a block is held until it is known, so streamed and whole answers agree."""
+    arguments a JSON string and its id new), any other text is content (with `one`, every
+    block after the first call too). Text that may be the start of a block is held until it
+    is known, so streamed and whole answers agree."""
 
-    def __init__(self) -> None:
+    def __init__(self, one: bool = False) -> None:
         self.held = ""
         self.inside = False
+        self.calls_left = 1 if one else -1  # -1: no limit
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         """("content", str) and ("call", dict) parts, in order, that `text` completes."""
@@ -784,8 +797,11 @@ class ToolCalls:
                 return parts
             block = self.held[:end + len(TOOL_CLOSE)]
             self.held, self.inside = self.held[len(block):], False
-            call = parse_tool_call(block[len(TOOL_OPEN):-len(TOOL_CLOSE)])
+            call = None if self.calls_left == 0 else parse_tool_call(
+                block[len(TOOL_OPEN):-len(TOOL_CLOSE)])
             parts.append(("content", block) if call is None else ("call", call))
+            if call is not None and self.calls_left > 0:
+                self.calls_left -= 1
 
     def end(self) -> list[tuple[str, Any]]:
         """What is left once the text ended: content (an unclosed block is text)."""

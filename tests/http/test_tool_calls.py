@@ -182,3 +182,32 @@ async def test_bad_tools_are_refused_by_name(model_daemon) -> None:
     for error, (_, named) in zip(errors, cases + [(None, "messages[1].tool_call_id")]):
         assert error.status_code == 400
         assert named in error.message, (named, error.message)
+
+
+def test_tool_call_blocks_split_alike_however_the_text_arrives() -> None:
+    from sluice.actors.executor import grammar
+    from sluice.actors.http import openai_api as api
+
+    text = ('Let me see. <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}'
+            '</tool_call>\n<tool_call>not JSON</tool_call><tool_call>{"name": "get_weather", '
+            '"arguments": {"city": "Oslo", "unit": "celsius"}}</tool_call> <tool_ca')
+
+    def split(pieces, one=False):
+        parser = api.ToolCalls(one)
+        parts = [part for piece in pieces for part in parser.feed(piece)] + parser.end()
+        content = "".join(part for kind, part in parts if kind == "content")
+        return content, [(p["function"]["name"], json.loads(p["function"]["arguments"]))
+                         for kind, p in parts if kind == "call"]
+
+    whole = split([text])
+    assert whole == split(list(text)) == split([text[:20], text[20:61], text[61:]])
+    assert whole == ("Let me see. \n<tool_call>not JSON</tool_call> <tool_ca",
+                     [("get_time", {"zone": "UTC"}),
+                      ("get_weather", {"city": "Oslo", "unit": "celsius"})])
+    content, calls = split([text], one=True)  # parallel_tool_calls: false
+    assert [name for name, _ in calls] == ["get_time"] and "get_weather" in content
+    # a function's `$defs` still resolve once its schema is nested in the call's grammar
+    referring = {"type": "object", "$defs": {"zone": {"type": "string"}},
+                 "properties": {"zone": {"$ref": "#/$defs/zone"}}}
+    grammar.check("lark", api.tool_grammar(
+        [{"type": "function", "function": {"name": "f", "parameters": referring}}], None))
