@@ -137,6 +137,8 @@ class Tokenizer:
             messages = [{**message, "tool_calls": json.loads(pattern.sub(
                             hide, json.dumps(message["tool_calls"])))}
                         if message.get("tool_calls") else message for message in messages]
+            messages = [{**message, "tool_call_id": pattern.sub(hide, message["tool_call_id"])}
+                        if message.get("tool_call_id") else message for message in messages]
             if tools is not None:  # a template's own rendering of them: no special tokens
                 tools = json.loads(pattern.sub(hide, json.dumps(tools)))
         text = self.apply_chat_template(messages, tools=tools)
