@@ -211,3 +211,28 @@ def test_tool_call_blocks_split_alike_however_the_text_arrives() -> None:
                  "properties": {"zone": {"$ref": "#/$defs/zone"}}}
     grammar.check("lark", api.tool_grammar(
         [{"type": "function", "function": {"name": "f", "parameters": referring}}], None))
+
+
+def test_the_template_gets_the_tools_or_a_preamble_of_them() -> None:
+    from sluice.actors.executor.model_files import resolve_model_path
+    from sluice.actors.text.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_path(None))
+    messages = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+    # the embedded template reads neither `tools` nor `tool_calls`: Hermes-style text
+    text = tokenizer.apply_chat_template(messages, tools=TOOLS)
+    assert text.count('"name": "get_weather"') == 2 and "<tools>" in text
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>21 degrees</tool_response>" in text
+    # a template that reads them gets them as transformers passes them
+    tokenizer.chat_template = (
+        "{% for tool in tools %}[{{ tool.function.name }}]{% endfor %}{% for message in "
+        "messages %}{{ message.role }}:{{ message.content }}{% for call in message.tool_calls "
+        "or [] %}({{ call.function.arguments }}){% endfor %};{% endfor %}")
+    tokenizer._template = None
+    assert tokenizer.apply_chat_template(messages, tools=TOOLS) == (
+        '[get_weather][get_time]user:What is the weather in Paris?;assistant:'
+        '({"city": "Paris"});tool:21 degrees;')
