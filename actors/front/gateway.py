@@ -311,6 +311,7 @@ class Gateway(Actor):
         return self.socket.recv_from_nowait(self.curve_secret_key is not None)
 
     async def _take_safely(self, frames: list[bytes], key: str | None, descriptor: int) -> None:
+        self.listener.heard(descriptor)
         try:
             await self._take(frames[0], frames[1:], key, descriptor)
         except zmq.ZMQError as exc:

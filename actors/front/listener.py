@@ -1,10 +1,11 @@
 """The client listener's connections: counted, and kept inside the descriptor and inbound budgets.
 
 The gateway watches its ROUTER's monitor events to count live connections; one accepted past
-a budget makes room by closing the connection idle longest (one that holds no stream), else is
-shed itself, and only when shedding falls behind near the fd limit is the listener unbound and
-bound again, as a last resort. A connection that holds no stream for `idle_seconds` is closed
-(a ZeroMQ client connects again by itself when it has something to send). See
+a budget makes room by closing the connection idle longest (one that holds no stream and has
+sent nothing for a grace period), else is shed itself, and only when shedding falls behind near the fd limit is
+the listener unbound and bound again, as a last resort. A connection that holds no stream and
+sends nothing for `idle_seconds` is closed (a ZeroMQ client connects again by itself when it
+has something to send). See
 docs/architecture.md, "The client edge".
 
 What does not belong here: frames and peers by routing id (`gateway`, `peers`).
@@ -38,6 +39,8 @@ FD_RECOUNT_SECONDS = 0.01
 EVENTS = (zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
           | zmq.EVENT_CLOSED)
 _monitors = itertools.count()
+# seconds a connection must have held no stream before it may be closed to make room
+MIN_IDLE_GRACE, MAX_IDLE_GRACE = 0.5, 5.0
 
 
 class ListenerGuard:
@@ -55,7 +58,8 @@ class ListenerGuard:
         self.brakes = 0  # times the listener was unbound
         self.idle_closed = 0  # connections closed for holding no stream
         self.idle_seconds = idle_seconds
-        # connections that hold no stream, oldest first: descriptor -> since when (monotonic)
+        # connections that hold no stream, idle longest first: descriptor -> the last time
+        # (monotonic) it was accepted, sent a frame or ended its stream
         self._idle: dict[int, float] = {}
         self._held: set[int] = set()  # connections whose frames opened a stream
         self.address: str | None = None
@@ -100,9 +104,10 @@ class ListenerGuard:
     def _on_event(self, event: int, value: int) -> None:
         if event == zmq.EVENT_ACCEPTED:
             self.live += 1
-            self._held.discard(value)  # a descriptor reused: whatever it was is gone
-            self._idle.pop(value, None)
-            self._idle[value] = time.monotonic()
+            # held already: the gateway read its first frame before this event was read
+            if value not in self._held:
+                self._idle.pop(value, None)
+                self._idle[value] = time.monotonic()
             if self.live > self.cap or self.live + self.gone_unread > self.inbound_connections:
                 self._make_room(value)
             if (self.live > self.cap + self.brake_margin and not self._braked
@@ -122,9 +127,16 @@ class ListenerGuard:
             self._held.clear()
 
     def held(self, fd: int) -> None:
-        """The connection on `fd` opened a stream: it is a client's, not idle."""
-        if self._idle.pop(fd, None) is not None:
-            self._held.add(fd)
+        """The connection on `fd` opened a stream: it is a client's, not idle (its accept may
+        not have been read yet: monitor events can lag behind its frames)."""
+        self._idle.pop(fd, None)
+        self._held.add(fd)
+
+    def heard(self, fd: int) -> None:
+        """A frame came in on `fd`: a connection without a stream is idle from now."""
+        if fd in self._idle:
+            del self._idle[fd]
+            self._idle[fd] = time.monotonic()
 
     def released(self, fd: int) -> None:
         """The stream of the connection on `fd` closed: idle from now."""
@@ -133,8 +145,8 @@ class ListenerGuard:
             self._idle[fd] = time.monotonic()
 
     async def sweep(self) -> None:
-        """Close connections that held no stream for `idle_seconds`: a stranger's idle
-        connections cannot keep the cap full for good."""
+        """Close connections that held no stream and sent nothing for `idle_seconds`: a
+        stranger's idle connections cannot keep the cap full for good."""
         while True:
             await trio.sleep(max(0.05, self.idle_seconds / 4))
             deadline = time.monotonic() - self.idle_seconds
@@ -146,10 +158,12 @@ class ListenerGuard:
                 self.idle_closed += 1
 
     def _make_room(self, new: int) -> None:
-        """Over a budget: close the connection idle longest, if any other is idle, else the
-        new one."""
+        """Over a budget: close the connection idle longest, if it has been idle for the
+        grace period, else the new one. The grace keeps a client that just connected (its
+        first frame not read yet) from being closed by a churn of newer connections."""
         oldest = next((fd for fd in self._idle if fd != new), None)
-        if oldest is None:
+        grace = min(max(self.idle_seconds / 10, MIN_IDLE_GRACE), MAX_IDLE_GRACE)
+        if oldest is None or self._idle[oldest] > time.monotonic() - grace:
             self._idle.pop(new, None)
             self._shed(new)
             return
