@@ -18,11 +18,12 @@ from sluice.ipc.vocabulary import FinishReason, RejectCode, SamplingParams, Tena
 
 PROTOCOL_MAJOR = 2
 # 2.2: `SamplingParams` may carry a logit bias (`logit_bias_ids`, `logit_bias_values`) and a
-#      grammar (`grammar_kind`, `grammar`); the control status counts `drain_refusals`. A 2.1
-#      daemon refuses a request that carries the new sampling fields (they are not top-level
-#      fields it may ignore), so a constraint is never dropped silently
-#      Chat requests may carry OpenAI's tools: `Generate.tools`, `ChatMessage.tool_calls` and
-#      `ChatMessage.tool_call_id` (JSON texts and an id; empty by default)
+#      grammar (`grammar_kind`, `grammar`); chat requests OpenAI's tools (`Generate.tools`,
+#      `ChatMessage.tool_calls`, `ChatMessage.tool_call_id`: JSON texts and an id, empty by
+#      default); the control status counts `drain_refusals`. Nested messages are sent whole,
+#      and a reader ignores only a newer minor version's top-level fields: a 2.1 daemon
+#      refuses every `Generate` of a 2.2 client, naming the first new field (upgrade the
+#      daemon first), and so never drops a constraint silently
 # 2.1: `ServerInfo.max_credits` says how many credits the daemon lets a request hold, so a
 #      client never waits for more chunks than it will be sent. A 2.0 client cannot read a
 #      2.1 `ServerInfo` (its codec refuses the field); from 2.1 on a reader ignores the
