@@ -70,6 +70,8 @@ from sluice.ipc import messages as m
 
 log = structlog.get_logger("sluice.http")
 
+PARSE_ON_LOOP_BYTES = 64 * 1024  # request bodies up to this size are parsed on the loop
+
 
 def model_alias(model_name: str) -> str | None:
     """The short name a request may give for the model: its folder's name or its file's stem
@@ -381,7 +383,11 @@ class HttpFront(Actor):
         # a body being read is no generation, but one that could not start is not read
         self.generations.check(tenant)
         with self.body_reads.hold(tenant):
-            body = api.parse_body(await self._read_body(scope, receive))
+            raw = await self._read_body(scope, receive)
+        # a large body is parsed on a worker thread: megabytes of JSON would hold the loop,
+        # and every other client's stream with it, for tens of milliseconds
+        body = (api.parse_body(raw) if len(raw) <= PARSE_ON_LOOP_BYTES
+                else await trio.to_thread.run_sync(api.parse_body, raw))
         with self.generations.hold(tenant):
             await self._generate(path == "/v1/chat/completions", body, tenant, receive, send)
 
