@@ -382,12 +382,12 @@ class HttpFront(Actor):
                                code="draining", retry_after=self.settings.retry_after)
         # a body being read is no generation, but one that could not start is not read
         self.generations.check(tenant)
-        with self.body_reads.hold(tenant):
+        with self.body_reads.hold(tenant):  # until parsed: a body held counts, read or not
             raw = await self._read_body(scope, receive)
-        # a large body is parsed on a worker thread: megabytes of JSON would hold the loop,
-        # and every other client's stream with it, for tens of milliseconds
-        body = (api.parse_body(raw) if len(raw) <= PARSE_ON_LOOP_BYTES
-                else await trio.to_thread.run_sync(api.parse_body, raw))
+            # a large body is parsed on a worker thread: megabytes of JSON would hold the
+            # loop, and every other client's stream with it, for tens of milliseconds
+            body = (api.parse_body(raw) if len(raw) <= PARSE_ON_LOOP_BYTES
+                    else await trio.to_thread.run_sync(api.parse_body, raw))
         with self.generations.hold(tenant):
             await self._generate(path == "/v1/chat/completions", body, tenant, receive, send)
 
