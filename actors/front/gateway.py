@@ -3,8 +3,9 @@
 It decodes client frames (a bad one gets `Rejected` naming the problem), answers `Describe`,
 routes everything else to the connection's Stream (started on its first message, supervised as
 transient), sends the streams' `Outbound` frames without waiting on any one peer, refuses new
-`Generate`s while draining, and reports its backlog to the Scheduler. With a CURVE secret key it
-is a CURVE server whose ZAP handler admits only the listed client keys. See
+`Generate`s while draining, and reports its backlog to the Scheduler. Its ZAP handler answers
+every connection's handshake: past the inbound budget, refused; with a CURVE secret key (a CURVE
+server), admitted only for the listed client keys. See
 docs/architecture.md, "A token's path" and "The client edge"; the limits are in
 docs/configuration.md, "[limits]".
 """
@@ -91,12 +92,17 @@ class Gateway(Actor):
         self.askers = Outboxes()  # who asked for the live connections (the control actor)
 
     def reset(self) -> None:
-        self.zap: Socket | None = None
-        if self.curve_secret_key is not None:
-            self.zap = Socket(zmq.REP)
-            self.zap.bind(ZAP_ENDPOINT)
-        self.socket = Socket(zmq.ROUTER)
+        # a context of its own: its I/O thread serves strangers' connections only, and the
+        # ZAP endpoint it binds is this gateway's, whatever else runs in the process
+        self.context = zmq.Context()
+        # every connection's handshake waits for this actor's ZAP answer, with or without
+        # CURVE: a connection past the inbound budget is refused before any frame of it can
+        # be queued (refused at its accept, it has often queued a full pipe already)
+        self.zap = Socket(zmq.REP, ctx=self.context)
+        self.zap.bind(ZAP_ENDPOINT)
+        self.socket = Socket(zmq.ROUTER, ctx=self.context)
         self._limit_peers(self.socket.zmq)
+        self.socket.zmq.zap_domain = ZAP_DOMAIN
         if self.curve_secret_key is not None:
             self.socket.zmq.curve_server = True
             self.socket.zmq.curve_secretkey = self.curve_secret_key.encode()
@@ -139,8 +145,8 @@ class Gateway(Actor):
     def teardown(self) -> None:
         self.listener.close()
         self.socket.close()
-        if self.zap is not None:
-            self.zap.close()
+        self.zap.close()
+        self.context.term()
 
     def close(self) -> None:
         super().close()
@@ -162,25 +168,29 @@ class Gateway(Actor):
         self.backlog.report(self.inbox.depth, self.backlog_to)
 
     async def background(self, nursery: trio.Nursery) -> None:
-        if self.zap is not None:
-            nursery.start_soon(self._authenticate)
+        nursery.start_soon(self._authenticate)
         nursery.start_soon(self._receive_loop)
         nursery.start_soon(self.listener.run)
         nursery.start_soon(self.listener.sweep)
 
     async def _authenticate(self) -> None:
-        """ZAP: answer 200 with the key as user id for a listed CURVE key, else 400."""
+        """ZAP, at each connection's handshake: 400 past the inbound budget (no frame of it
+        was queued); with CURVE, 200 with the key as user id for a listed key, else 400."""
         while True:
             request = await self.zap.recv_multipart()
             version, request_id, mechanism = request[0], request[1], request[5]
             key = None
             if mechanism == b"CURVE" and len(request) > 6:
                 key = z85.encode(request[6]).decode()
-            if key not in self.tenant_keys:
+            if self.curve_secret_key is not None and key not in self.tenant_keys:
                 log.info("client refused", mechanism=mechanism.decode(errors="replace"))
                 reply = [version, request_id, b"400", b"unknown key", b"", b""]
-            else:  # the key itself is the user id: a stream is bound to it, a tenant found by it
-                reply = [version, request_id, b"200", b"OK", key.encode(), b""]
+            elif not self.listener.admit():
+                reply = [version, request_id, b"400", b"over the inbound budget", b"", b""]
+            else:  # with CURVE the key itself is the user id: a stream is bound to it, a
+                # tenant found by it
+                user = key.encode() if key is not None else b""
+                reply = [version, request_id, b"200", b"OK", user, b""]
             await self.zap.send_multipart(reply)
 
     # -- to the client ----------------------------------------------------------------------
@@ -426,4 +436,5 @@ class Gateway(Actor):
 
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect
+ZAP_DOMAIN = b"sluice"  # set, so that libzmq asks for connections without CURVE too
 

@@ -1,11 +1,13 @@
 """The client listener's connections: counted, and kept inside the descriptor and inbound budgets.
 
-The gateway watches its ROUTER's monitor events to count live connections; one accepted past
-a budget makes room by closing the connection idle longest (one that holds no stream and has
-sent nothing for a grace period), else is shed itself, and only when shedding falls behind near the fd limit is
-the listener unbound and bound again, as a last resort. A connection that holds no stream and
-sends nothing for `idle_seconds` is closed (a ZeroMQ client connects again by itself when it
-has something to send). See
+The gateway watches its ROUTER's monitor events to count live connections. One accepted past
+the connection cap makes room by closing the connection idle longest (one that holds no stream
+and has sent nothing for a grace period), else is shed itself; only when shedding falls behind
+near the fd limit is the listener unbound and bound again, as a last resort. The inbound budget
+is kept at each connection's handshake, which waits for the gateway's ZAP answer: past the
+budget the connection is refused before any frame of it is queued, unless the one idle longest
+makes room. A connection that holds no stream and sends nothing for `idle_seconds` is closed (a
+ZeroMQ client connects again by itself when it has something to send). See
 docs/architecture.md, "The client edge".
 
 What does not belong here: frames and peers by routing id (`gateway`, `peers`).
@@ -67,7 +69,7 @@ class ListenerGuard:
         self._braked = False
         endpoint = f"inproc://sluice.listener-monitor.{next(_monitors)}"
         router.zmq.monitor(endpoint, EVENTS)
-        self.events = Socket(zmq.PAIR)
+        self.events = Socket(zmq.PAIR, ctx=router.zmq.context)
         # the monitor's sends block libzmq's I/O thread when they are not read: the smallest
         # queue keeps its accepts close behind this task's reading
         self.events.zmq.setsockopt(zmq.RCVHWM, 1)
@@ -93,13 +95,37 @@ class ListenerGuard:
     async def run(self) -> None:
         while True:
             frames = await self.events.recv_multipart()
-            while frames is not None:
-                event = parse_monitor_message(frames)
-                self._on_event(event["event"], event["value"])
-                frames = self.events.recv_multipart_nowait()
+            self._on_event_frames(frames)
+            self.catch_up()
             if self._braked and self.live == 0 and self._local is None:
                 await trio.sleep(REBIND_PAUSE)
                 self._rebind()
+
+    def catch_up(self) -> None:
+        """Count every connection event already queued, without waiting."""
+        frames = self.events.recv_multipart_nowait()
+        while frames is not None:
+            self._on_event_frames(frames)
+            frames = self.events.recv_multipart_nowait()
+
+    def _on_event_frames(self, frames: list[bytes]) -> None:
+        event = parse_monitor_message(frames)
+        self._on_event(event["event"], event["value"])
+
+    def admit(self) -> bool:
+        """May a connection in its handshake (no frame of it queued yet) go on? Within the
+        inbound budget, yes; past it, only if the connection idle longest past its grace is
+        closed to make room. A connection refused here is counted as refused."""
+        self.catch_up()  # the accepts and departures the I/O thread has reported so far
+        if self.live + self.gone_unread <= self.inbound_connections:
+            return True
+        oldest = self._idle_past_grace()
+        if oldest is None:
+            self.peers.refused_connections += 1
+            return False
+        del self._idle[oldest]
+        self._shed(oldest)
+        return True
 
     def _on_event(self, event: int, value: int) -> None:
         if event == zmq.EVENT_ACCEPTED:
@@ -108,7 +134,7 @@ class ListenerGuard:
             if value not in self._held:
                 self._idle.pop(value, None)
                 self._idle[value] = time.monotonic()
-            if self.live > self.cap or self.live + self.gone_unread > self.inbound_connections:
+            if self.live > self.cap:
                 self._make_room(value)
             if (self.live > self.cap + self.brake_margin and not self._braked
                     and self._near_fd_limit()):
@@ -158,17 +184,24 @@ class ListenerGuard:
                 self.idle_closed += 1
 
     def _make_room(self, new: int) -> None:
-        """Over a budget: close the connection idle longest, if it has been idle for the
-        grace period, else the new one. The grace keeps a client that just connected (its
-        first frame not read yet) from being closed by a churn of newer connections."""
-        oldest = next((fd for fd in self._idle if fd != new), None)
-        grace = min(max(self.idle_seconds / 10, MIN_IDLE_GRACE), MAX_IDLE_GRACE)
-        if oldest is None or self._idle[oldest] > time.monotonic() - grace:
+        """Over the connection cap: close the connection idle longest, if it has been idle
+        for the grace period, else the new one. The grace keeps a client that just connected
+        (its first frame not read yet) from being closed by a churn of newer connections."""
+        oldest = self._idle_past_grace(new)
+        if oldest is None:
             self._idle.pop(new, None)
             self._shed(new)
             return
         del self._idle[oldest]
         self._shed(oldest)  # a connection turned away all the same, the stranger's
+
+    def _idle_past_grace(self, new: int = -1) -> int | None:
+        """The connection idle longest, other than `new`, if idle for the grace period."""
+        oldest = next((fd for fd in self._idle if fd != new), None)
+        grace = min(max(self.idle_seconds / 10, MIN_IDLE_GRACE), MAX_IDLE_GRACE)
+        if oldest is None or self._idle[oldest] > time.monotonic() - grace:
+            return None
+        return oldest
 
     def _near_fd_limit(self) -> bool:
         """Whether the process's descriptors in use are within `fd_reserve` of its limit,
