@@ -7,8 +7,11 @@ and queues, each burst of requests its frames and buffers. glibc keeps the pages
 freed for reuse, so after a flood of connections the daemon looks as large as at the flood's
 peak for good, which reads like a leak to whoever watches it. `malloc_trim(0)` gives those
 pages back. It runs once a minute on a thread of its own (ctypes lets go of the GIL): walking
-a fragmented heap can take tens of milliseconds. On a C library without it (musl, macOS) this
-does nothing.
+a fragmented heap can take tens of milliseconds. Sooner when a churn left much free: every few
+seconds `mallinfo2` counts the heap's free bytes, and past `FREE_TRIM_BYTES` the pages go back
+then (a churn of strangers' connections leaves tens of megabytes free within seconds, bounded
+by what the front may hold at once, but no less resident for it). On a C library without
+these calls (musl, macOS) this does nothing.
 
 The collector: everything loaded before serving (modules, the tokenizer, the model's facts)
 lives as long as the daemon, so it is frozen out of the collector's scans. A busy daemon's
@@ -30,6 +33,8 @@ from collections.abc import Callable
 import trio
 
 TRIM_INTERVAL_SECONDS = 60.0
+FREE_CHECK_SECONDS = 2.0  # how often the heap's free bytes are counted
+FREE_TRIM_BYTES = 16 << 20  # free heap bytes past which the pages are handed back at once
 YOUNG_COLLECTION_THRESHOLD = 20_000  # net allocations that start a young-generation pass
 
 
@@ -51,6 +56,31 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
 _MALLOC_TRIM = _find_malloc_trim()
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _find_mallinfo2() -> Callable[[], _MallInfo2] | None:
+    try:
+        info = ctypes.CDLL(None).mallinfo2  # glibc 2.33 and later
+    except (AttributeError, OSError):
+        return None
+    info.argtypes, info.restype = [], _MallInfo2
+    return info
+
+
+_MALLINFO2 = _find_mallinfo2()
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes the C heap holds free (not handed back), or None where it cannot say."""
+    if _MALLINFO2 is None:
+        return None
+    return _MALLINFO2().fordblks
+
+
 def give_back_free_memory() -> bool:
     """Return the heap's free pages to the system now; False where the C library cannot."""
     if _MALLOC_TRIM is None:
@@ -59,10 +89,23 @@ def give_back_free_memory() -> bool:
     return True
 
 
-async def give_back_periodically(interval: float = TRIM_INTERVAL_SECONDS) -> None:
-    """Every `interval` seconds, until cancelled: collect every generation, then trim."""
+async def give_back_periodically(interval: float = TRIM_INTERVAL_SECONDS,
+                                 check: float = FREE_CHECK_SECONDS) -> None:
+    """Until cancelled: every `interval` seconds collect every generation, then trim; every
+    `check` seconds meanwhile, trim if the free heap grew by `FREE_TRIM_BYTES` since the last
+    trim (free bytes a trim cannot hand back, between live ones, do not make it trim again)."""
+    last, left_free = trio.current_time(), 0
     while True:
-        await trio.sleep(interval)
-        gc.collect()
+        await trio.sleep(min(interval, check))
+        if trio.current_time() - last >= interval:
+            last = trio.current_time()
+            gc.collect()
+        elif (await trio.to_thread.run_sync(free_heap_bytes) or 0) <= left_free + FREE_TRIM_BYTES:
+            continue
         if _MALLOC_TRIM is not None:
-            await trio.to_thread.run_sync(give_back_free_memory)
+            left_free = await trio.to_thread.run_sync(_trim_and_count)
+
+
+def _trim_and_count() -> int:
+    give_back_free_memory()
+    return free_heap_bytes() or 0

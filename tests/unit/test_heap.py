@@ -38,6 +38,37 @@ def test_pages_a_freed_burst_left_go_back():
             libc.free(piece)
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallinfo2 is glibc's")
+async def test_a_burst_freed_between_the_minute_passes_goes_back_within_a_check():
+    import trio
+
+    from sluice.daemon.heap import FREE_TRIM_BYTES, free_heap_bytes, give_back_periodically
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    pieces = [libc.malloc(4000) for _ in range(25_000)]  # as above: holes between live ones
+    try:
+        for piece in pieces:
+            ctypes.memset(piece, 1, 4000)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(give_back_periodically, 3600.0, 0.05)
+            await trio.sleep(0.2)  # a first check: what lies free now is its baseline
+            for i, piece in enumerate(pieces):
+                if i % 16:
+                    libc.free(piece)
+            assert free_heap_bytes() > FREE_TRIM_BYTES
+            before = resident_mib()
+            with trio.move_on_after(10):
+                while resident_mib() > before - 60:  # of the ~94 MB freed
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        assert resident_mib() < before - 60, "freed pages stayed resident"
+    finally:
+        for piece in pieces[::16]:
+            libc.free(piece)
+
+
 def test_the_settled_collector_still_frees_a_cycle_once_allocations_pile_up():
     import gc
     import weakref
