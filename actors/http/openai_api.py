@@ -769,34 +769,47 @@ class ToolCalls:
     block whose JSON is {"name": str, "arguments": object} is a call (OpenAI's shape, its
     arguments a JSON string and its id new), any other text is content (with `one`, every
     block after the first call too). Text that may be the start of a block is held until it
-    is known, so streamed and whole answers agree."""
+    is known, so streamed and whole answers agree.
+
+    Each delta is looked at once: an open block is kept as its pieces, and only the delta
+    (with the few characters before it that could begin `</tool_call>`) is searched for
+    its end, so a block streamed a token at a time costs its length, not its length squared.
+    """
 
     def __init__(self, one: bool = False) -> None:
-        self.held = ""
+        self.held = ""  # outside a block: the end of the text that could begin one
         self.inside = False
+        self.block: list[str] = []  # inside a block: its text so far, from `<tool_call>`
+        self.tail = ""  # ... and its last characters, which could begin `</tool_call>`
         self.calls_left = 1 if one else -1  # -1: no limit
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         """("content", str) and ("call", dict) parts, in order, that `text` completes."""
-        self.held += text
         parts: list[tuple[str, Any]] = []
         while True:
             if not self.inside:
-                at = self.held.find(TOOL_OPEN)
+                text, self.held = self.held + text, ""
+                at = text.find(TOOL_OPEN)
                 if at < 0:
-                    ready = len(self.held) - _open_prefix(self.held)
+                    ready = len(text) - _open_prefix(text)
                     if ready:
-                        parts.append(("content", self.held[:ready]))
-                        self.held = self.held[ready:]
+                        parts.append(("content", text[:ready]))
+                    self.held = text[ready:]
                     return parts
                 if at:
-                    parts.append(("content", self.held[:at]))
-                self.held, self.inside = self.held[at:], True
-            end = self.held.find(TOOL_CLOSE)
+                    parts.append(("content", text[:at]))
+                self.inside, self.block, self.tail = True, [TOOL_OPEN], ""
+                text = text[at + len(TOOL_OPEN):]
+            seen = self.tail + text
+            end = seen.find(TOOL_CLOSE)
             if end < 0:
+                self.block.append(text)
+                self.tail = seen[max(0, len(seen) - len(TOOL_CLOSE) + 1):]
                 return parts
-            block = self.held[:end + len(TOOL_CLOSE)]
-            self.held, self.inside = self.held[len(block):], False
+            cut = end + len(TOOL_CLOSE) - len(self.tail)  # where the block ends in `text`
+            self.block.append(text[:cut])
+            block, text = "".join(self.block), text[cut:]
+            self.inside, self.block, self.tail = False, [], ""
             call = None if self.calls_left == 0 else parse_tool_call(
                 block[len(TOOL_OPEN):-len(TOOL_CLOSE)])
             parts.append(("content", block) if call is None else ("call", call))
@@ -805,7 +818,8 @@ class ToolCalls:
 
     def end(self) -> list[tuple[str, Any]]:
         """What is left once the text ended: content (an unclosed block is text)."""
-        held, self.held, self.inside = self.held, "", False
+        held = "".join(self.block) if self.inside else self.held
+        self.held, self.inside, self.block, self.tail = "", False, [], ""
         return [("content", held)] if held else []
 
 
