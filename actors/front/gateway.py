@@ -95,6 +95,13 @@ class Gateway(Actor):
         # a context of its own: its I/O thread serves strangers' connections only, and the
         # ZAP endpoint it binds is this gateway's, whatever else runs in the process
         self.context = zmq.Context()
+        try:
+            self._open()
+        except BaseException:
+            self.context.destroy(linger=0)  # what it opened, closed; its I/O thread ended
+            raise
+
+    def _open(self) -> None:
         # every connection's handshake waits for this actor's ZAP answer, with or without
         # CURVE: a connection past the inbound budget is refused before any frame of it can
         # be queued (refused at its accept, it has often queued a full pipe already)
@@ -109,14 +116,19 @@ class Gateway(Actor):
         # past the cap of streams a few more connections are taken, each one descriptor, to be
         # told `Rejected(overloaded)`; past those the listener sheds them unanswered
         spare = self.limits.reserved_fds
-        self.listener = ListenerGuard(
+        listener = ListenerGuard(
             self.socket, peers=self.peers, cap=self.connection_cap + max(1, spare // 8),
             inbound_connections=self.limits.inbound_connections(),
             brake_margin=max(1, spare // 4), fd_reserve=max(1, spare // 2),
             idle_seconds=self.limits.idle_connection_seconds)
+        try:
+            self.address = listener.bind(self.address or self.listen)
+        except BaseException:
+            listener.close()  # its monitor stopped: the context can end
+            raise
         for descriptor in self.descriptors.values():  # streams that outlived a crash
-            self.listener.held(descriptor)
-        self.address = self.listener.bind(self.address or self.listen)
+            listener.held(descriptor)
+        self.listener = listener
 
     def _limit_peers(self, router: zmq.Socket) -> None:
         """What one peer may make this socket hold; set before bind, so every pipe has it."""
@@ -146,7 +158,7 @@ class Gateway(Actor):
         self.listener.close()
         self.socket.close()
         self.zap.close()
-        self.context.term()
+        self.context.destroy(linger=0)  # never waits: any socket still open is closed
 
     def close(self) -> None:
         super().close()
