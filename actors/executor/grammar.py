@@ -10,9 +10,10 @@ a JSON schema's text, a regular expression, a JSON list of choices, or a Lark gr
 `grammar_source` turns one into llguidance's grammar and `check` says what is wrong with
 one, with no tokenizer: the fronts call it, off their event loop, before a request is sent
 on. `Constraints` is the worker's side: one matcher per constrained request, advanced with
-each token the request is sampled, and rebuilt from the request's output tokens (which the
-plan carries for a constrained request) whenever its count is not the matcher's: after a
-preemption and recompute, or in a worker that restarted and never saw the request.
+each token the request is sampled. The plan carries the end of a constrained request's output
+(its last token) while the worker has its matcher, and all of it where the matcher must be
+rebuilt: after a preemption and recompute, in a worker that restarted and never saw the
+request, or for one not planned for a while (see `plan.MATCHER_STEPS`).
 
 Nothing here imports torch: the fronts use `check`, and the sampler applies the masks.
 """
@@ -26,11 +27,15 @@ from dataclasses import dataclass
 
 import llguidance
 
+from sluice.actors.scheduler.plan import MATCHER_STEPS
+
 # JSON written compactly: a flexible whitespace lets a small model spend its tokens on
 # newlines forever, and a compact object is what a client parses anyway
 _JSON_OPTIONS = {"whitespace_flexible": False}
 DEFAULT_CACHED_GRAMMARS = 64
-IDLE_STEPS = 64  # a matcher not scheduled for this many steps is dropped (rebuilt if needed)
+# a matcher not scheduled for this many steps is dropped: the scheduler sends a request's
+# whole output again (to rebuild it) after fewer
+IDLE_STEPS = 2 * MATCHER_STEPS
 
 
 class GrammarError(ValueError):
@@ -158,19 +163,28 @@ class Constraints:
         return template.deep_copy()
 
     def _state(self, seq) -> _State:
-        """The request's matcher, at the token it samples now; rebuilt when it is not."""
+        """The request's matcher, at the token it samples now: it takes the output ids it
+        lacks from the end of the output the plan carries, or is rebuilt from all of them."""
         state = self._states.get(seq.request_id)
         wanted = seq.num_generated
-        if state is None or state.consumed != wanted:
-            params = seq.sampling
-            matcher = self._fresh(params.grammar_kind, params.grammar)
-            outputs = seq.output_token_ids or []
-            if wanted:
-                # a recomputed or restarted request: its output so far, again. Tokens past
-                # what the grammar allows leave the matcher in its error state (end only)
-                matcher.consume_tokens(list(outputs[:wanted]))
-            state = _State(matcher, wanted, self._step)
+        outputs = seq.output_token_ids or []
+        first = wanted - len(outputs)  # the index in the output of the first id carried
+        if state is None or not first <= state.consumed <= wanted:
+            if first != 0:
+                raise ValueError(
+                    f"request {seq.request_id!r}: its plan carries its output from token "
+                    f"{first}, and this worker's matcher of it is "
+                    f"{'gone' if state is None else f'at token {state.consumed}'}")
+            state = _State(self._fresh(seq.sampling.grammar_kind, seq.sampling.grammar), 0,
+                           self._step)
             self._states[seq.request_id] = state
+        if state.consumed < wanted:
+            # a recomputed or restarted request (its output so far, again), or a token this
+            # matcher did not take. Tokens past what the grammar allows leave the matcher in
+            # its error state (end only)
+            if not state.matcher.is_error():
+                state.matcher.consume_tokens(list(outputs[state.consumed - first:]))
+            state.consumed = wanted
         state.seen_step = self._step
         return state
 

@@ -44,9 +44,20 @@ class ScheduledSeq:
     # seeded request draws the same tokens alone, in a batch, or after recompute
     num_generated: int = 0
     sampling_seed: int = 0  # the request's seed, or one the core drew for an unseeded one
-    # only filled when the sampling params carry penalties
+    # the prompt's ids, only when the sampling params carry penalties; the output's ids then,
+    # all of them; for a constrained request that samples, the last `num_generated -
+    # len(output_token_ids)` of them (see `MATCHER_STEPS`); else None
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
+
+
+# A constrained request's output ids rebuild the worker's matcher of it, which takes each token
+# it samples. A decode planned within this many steps of the request's previous plan carries
+# only its last output id (the matcher has it, or takes it now), so a long output is not sent
+# whole every step; a prefill (a recompute after a preemption or a lost worker) or a request
+# last planned longer ago (its matcher may be dropped: the worker keeps an idle one for
+# `grammar.IDLE_STEPS` of its steps, more than this) carries them all.
+MATCHER_STEPS = 32
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 
 from sluice.actors.scheduler.config import SchedulerConfig
-from sluice.actors.scheduler.plan import ScheduledSeq, StepPlan
+from sluice.actors.scheduler.plan import MATCHER_STEPS, ScheduledSeq, StepPlan
 from sluice.actors.scheduler.policy import preemption_key
 from sluice.actors.scheduler.request import Request
 
@@ -100,12 +100,18 @@ class PlanBuilder:
                decode: bool) -> None:
         outputs = request.output_token_ids
         penalties = request.has_penalties
+        carried = None
+        if penalties:
+            carried = list(outputs)
+        elif sample and request.sampling.constrained:
+            # the worker's matcher takes the ids it lacks (see `plan.MATCHER_STEPS`)
+            recent = 0 <= request.scheduled_step and (
+                self.step_id - request.scheduled_step <= MATCHER_STEPS)
+            carried = outputs[-1:] if decode and recent else list(outputs)
         self.seqs[request.request_id] = ScheduledSeq(
             request.request_id, token_ids, start, request.block_ids, sample, request.sampling,
             len(outputs), request.sampling_seed,
-            request.prompt_token_ids if penalties else None,
-            # a constrained request's matcher is rebuilt from its output where it was lost
-            list(outputs) if penalties or request.sampling.constrained else None,
+            request.prompt_token_ids if penalties else None, carried,
         )
         request.scheduled_step = self.step_id
         request.last_chunk_was_decode = decode
