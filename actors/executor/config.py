@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 # "dynamic" (NTK) only changes frequencies past max_position_embeddings, which is never served:
 # up to it transformers computes the unscaled base, and so does this table
-ROPE_SCALING_TYPES = ("linear", "dynamic", "llama3", "yarn", "frequency_divisors")
+ROPE_SCALING_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope", "frequency_divisors")
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,12 @@ class RopeScaling:
 
     "frequency_divisors" is how a GGUF file carries Llama 3 scaling: llama.cpp's `rope_freqs`
     tensor, one divisor per frequency. A yarn `attention_factor` of None is derived from
-    `factor` (and `mscale`, `mscale_all_dim`) as transformers derives it."""
+    `factor` (and `mscale`, `mscale_all_dim`) as transformers derives it.
+
+    "longrope" (Phi-3's long-context models; `su` in older configs) divides each frequency by
+    its `short_factor` for sequences up to `original_max_position_embeddings`, by its
+    `long_factor` past it; `factor` (max over original positions) gives the attention factor
+    when `attention_factor` is None."""
 
     rope_type: str
     factor: float = 1.0
@@ -31,11 +36,15 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     truncate: bool = True
     frequency_divisors: tuple[float, ...] = ()
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.rope_type not in ROPE_SCALING_TYPES:
             raise ValueError(f"rope scaling type {self.rope_type!r} is not supported "
                              f"(supported: {', '.join(ROPE_SCALING_TYPES)})")
+        if self.rope_type == "longrope" and self.original_max_position_embeddings < 1:
+            raise ValueError("longrope rope scaling needs original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,16 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model
+
+    def __post_init__(self):
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                given = len(getattr(scaling, name))
+                if given != self.head_dim // 2:
+                    raise ValueError(f"longrope {name} has {given} values: it needs one per "
+                                     f"rotary frequency, {self.head_dim // 2} (head_dim "
+                                     f"{self.head_dim})")
 
     def layer_window(self, layer: int) -> int:
         """Keys a query of `layer` sees back to (itself included); 0: all of them."""

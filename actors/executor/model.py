@@ -65,14 +65,10 @@ class LlamaModel:
         self.embed = take("embed")
         self.final_norm = take_norm("final_norm")
         self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head")
-        # (cos, sin) of the full-attention layers, then of the sliding ones where they differ
-        self.rotary_tables = [rotary_tables(config.head_dim, config.rope_theta,
-                                            config.max_position_embeddings, config.rope_scaling,
-                                            self.device)]
-        if config.local_rope_theta is not None:
-            self.rotary_tables.append(rotary_tables(
-                config.head_dim, config.local_rope_theta, config.max_position_embeddings, None,
-                self.device))
+        # rotary tables over the positions served: every position the model knows until
+        # `limit_positions` says fewer (a runner, by its max model length); built on first use
+        self.rotary_positions = config.max_context
+        self._rotary_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             prefix = f"layers.{i}."
@@ -118,6 +114,31 @@ class LlamaModel:
         # their o_proj and down outputs, and the logits of every rank's vocabulary rows
         self.all_reduce = _identity
         self.gather_logits = _identity
+
+    def limit_positions(self, positions: int) -> None:
+        """Serve sequences of at most `positions` tokens: the rotary tables cover only those
+        (built again if they were built for another length). Phi-3's longrope also takes its
+        short or long factors by this length."""
+        if not 0 < positions <= self.config.max_context:
+            raise ValueError(f"positions served must be from 1 to the model's context "
+                             f"({self.config.max_context}), got {positions}")
+        if positions != self.rotary_positions:
+            self.rotary_positions, self._rotary_tables = positions, None
+
+    @property
+    def rotary_tables(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) of the full-attention layers, then of the sliding ones where they differ,
+        each [rotary_positions, head_dim] float32."""
+        if self._rotary_tables is None:
+            cfg = self.config
+            tables = [rotary_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
+                                    cfg.rope_scaling, self.device, rows=self.rotary_positions)]
+            if cfg.local_rope_theta is not None:
+                tables.append(rotary_tables(cfg.head_dim, cfg.local_rope_theta,
+                                            cfg.max_position_embeddings, None, self.device,
+                                            rows=self.rotary_positions))
+            self._rotary_tables = tables
+        return self._rotary_tables
 
     @classmethod
     def random(cls, config: ModelConfig, device="cpu", dtype=torch.float32,

@@ -423,6 +423,8 @@ def _hf_rope(raw: dict, max_positions: int, config_path: Path) -> tuple[float, R
     theta = (params.get("rope_theta") or raw.get("rope_theta")
              or (raw.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
     kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "su":  # Phi-3's first name for longrope, as transformers renames it
+        kind = "longrope"
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise ModelLoadError(f"{config_path}: partial_rotary_factor {partial!r} is not "
@@ -455,6 +457,8 @@ def _hf_rope(raw: dict, max_positions: int, config_path: Path) -> tuple[float, R
             raise ModelLoadError(f"{config_path}: llama3 rope scaling needs high_freq_factor "
                                  f"above low_freq_factor, got {scaling.high_freq_factor} and "
                                  f"{scaling.low_freq_factor}")
+    elif kind == "longrope":
+        scaling = _longrope(params, raw, max_positions, config_path)
     else:  # yarn
         optional = {name: number(name) if params.get(name) is not None else None
                     for name in ("attention_factor", "mscale", "mscale_all_dim")}
@@ -466,6 +470,44 @@ def _hf_rope(raw: dict, max_positions: int, config_path: Path) -> tuple[float, R
                                                   "rope scaling beta_slow", config_path),
                               truncate=bool(params.get("truncate", True)), **optional)
     return _positive(theta, "rope_theta", config_path), scaling
+
+
+def _longrope(params: dict, raw: dict, max_positions: int, config_path: Path) -> RopeScaling:
+    """Phi-3's longrope: one short and one long factor per rotary frequency, the original
+    (pretraining) context they switch at, and `factor` (max over original positions unless
+    given) for the attention factor, as transformers reads them."""
+    # a top-level original_max_position_embeddings wins, as for the other types
+    original = raw.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings")
+    if original is None:
+        raise ModelLoadError(f"{config_path}: longrope rope scaling needs "
+                             "'original_max_position_embeddings'")
+    original = _positive(original, "original_max_position_embeddings", config_path)
+    if original != int(original):
+        raise ModelLoadError(f"{config_path}: original_max_position_embeddings is {original}: "
+                             "it must be a whole number")
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        values = params.get(name)
+        if not isinstance(values, list) or not values:
+            raise ModelLoadError(f"{config_path}: longrope rope scaling needs {name!r} as a "
+                                 f"list of numbers, got {values!r}")
+        factors[name] = tuple(_positive(v, f"a longrope {name} value", config_path)
+                              for v in values)
+    if len(factors["short_factor"]) != len(factors["long_factor"]):
+        raise ModelLoadError(f"{config_path}: longrope short_factor has "
+                             f"{len(factors['short_factor'])} values, long_factor "
+                             f"{len(factors['long_factor'])}: one each per rotary frequency")
+    factor = params.get("factor")
+    attention = params.get("attention_factor")
+    return RopeScaling(
+        "longrope", original_max_position_embeddings=int(original),
+        factor=(max_positions / original if factor is None
+                else _positive(factor, "rope scaling factor", config_path)),
+        attention_factor=(None if attention is None
+                          else _positive(attention, "rope scaling attention_factor",
+                                         config_path)),
+        **factors)
 
 
 def _positive(value, name: str, config_path: Path) -> float:

@@ -55,6 +55,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = min(max_model_len or self.config.max_context,
                                  self.config.max_context)
+        model.limit_positions(self.max_model_len)  # rotary tables no longer than served
         self._out_of_memory_next = False  # a test fault, see `inject_out_of_memory`
         # grammar matchers, made for the first constrained request; set before the profiling
         # step below, which runs like any other

@@ -41,13 +41,15 @@ def forward_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
 
 
 def assert_matches_transformers(reference, folder, tokenizer, prompts: list[list[int]], *,
-                                new_tokens: int, chunk: int, logits_of: int | None = None) -> None:
+                                new_tokens: int, chunk: int, logits_of: int | None = None,
+                                max_model_len: int | None = None) -> None:
     """The logits of the prompts (the first `logits_of` of them; all by default), then
     `new_tokens` greedy tokens of every prompt batched through the loader and the engine
-    (prefill in chunks of `chunk`), equal transformers' for the same folder; the KV pool is
-    consistent after. Each token is checked as transformers' greedy choice given the same
-    prefix, in one forward per prompt."""
-    runner = ModelRunner(folder, dtype="float32", num_blocks=32, block_size=16)
+    (prefill in chunks of `chunk`; the runner's max_model_len when given), equal
+    transformers' for the same folder; the KV pool is consistent after. Each token is checked
+    as transformers' greedy choice given the same prefix, in one forward per prompt."""
+    runner = ModelRunner(folder, dtype="float32", num_blocks=32, block_size=16,
+                         max_model_len=max_model_len)
     for prompt in prompts[:logits_of]:
         with torch.no_grad():
             expected = reference(torch.tensor([prompt])).logits[0]

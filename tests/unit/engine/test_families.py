@@ -100,10 +100,10 @@ def write_config(folder, **changes) -> None:
 
 
 @pytest.mark.parametrize("rope, message", [
-    ({"rope_type": "longrope", "factor": 2.0}, r"rope scaling type 'longrope' is not supported "
-                                               r"\(supported: default, linear, dynamic, llama3, "
-                                               r"yarn\)"),
-    ({"type": "su"}, r"rope scaling type 'su' is not supported"),
+    ({"rope_type": "proportional", "factor": 2.0}, r"rope scaling type 'proportional' is not "
+                                                   r"supported \(supported: default, linear, "
+                                                   r"dynamic, llama3, yarn, longrope\)"),
+    ({"type": "su"}, r"longrope rope scaling needs 'original_max_position_embeddings'"),
     ({"rope_type": "llama3", "factor": 8.0}, r"llama3 rope scaling needs 'low_freq_factor'"),
     ({"rope_type": "linear", "factor": "4"}, r"rope scaling factor is '4': it must be a positive"),
     ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},

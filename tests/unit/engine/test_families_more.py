@@ -149,7 +149,7 @@ def write_config(folder, **changes) -> None:
 @pytest.mark.parametrize("changes, message", [
     (dict(model_type="phi3", rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
                                            "long_factor": [2.0] * 8}),
-     r"rope scaling type 'longrope' is not supported"),
+     r"longrope rope scaling needs 'original_max_position_embeddings'"),
     (dict(model_type="gemma"), r"model_type 'gemma' is not supported \(supported: .*phi3, "
                                r"gemma2, gemma3_text, mixtral, qwen3_moe\)"),
     (dict(hidden_activation="gelu"), r"hidden_activation 'gelu' is not supported"),
