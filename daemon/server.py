@@ -35,6 +35,7 @@ from sluice.actors.executor.model_files import resolve_model_path
 from sluice.actors.executor.null import NullExecutor
 from sluice.actors.executor.protocol import InjectOutOfMemory
 from sluice.actors.front.gateway import Gateway
+from sluice.actors.front.intake import GrammarChecks
 from sluice.actors.http.front import HttpFront
 from sluice.actors.front.limits import raise_fd_limit
 from sluice.actors.runtime.reports import (
@@ -155,9 +156,15 @@ class Daemon:
                                             executor=executor_inbox, inbox=scheduler_inbox,
                                             latency_histograms=cfg.metrics_port is not None)
 
+            # one cache of checked grammars and one pool of threads checking them, for both
+            # fronts: a ZeroMQ connection's Stream checks its requests' grammars, the HTTP
+            # front its own before they reach its stream
+            grammars = GrammarChecks(cfg.limits)
+
             def make_stream(connection: bytes) -> Stream:
                 return Stream(connection, config=cfg.stream, codec=codec, gateway=gateway_inbox,
-                              tokenizer=tokenizer_inbox, limits=cfg.limits, usage=usage_inbox)
+                              tokenizer=tokenizer_inbox, limits=cfg.limits, usage=usage_inbox,
+                              grammars=grammars)
 
             model_name = "embedded:" + self.model_path.name if cfg.model is None else str(cfg.model)
             if cfg.executor == "null":
@@ -202,7 +209,7 @@ class Daemon:
                                       model_name=model_name, max_model_len=max_model_len,
                                       heartbeat_interval=cfg.stream.heartbeat_interval,
                                       reserved_fds=cfg.limits.reserved_fds, limits=cfg.limits,
-                                      inbox=http_inbox)
+                                      inbox=http_inbox, grammars=grammars)
                 fronts.append(self.http)
             self.control = Control(cfg.control_address, scheduler=scheduler_inbox,
                                    hooks=self._control_hooks(gateway_inbox),

@@ -253,7 +253,7 @@ class AsyncClient:
         At most one of `json_schema` (an object or its text), `regex`, `choices` (the output
         is one of them) and `grammar` (Lark) constrains the output; `logit_bias` maps token
         ids to what is added to their logits, in [-100, 100]. A grammar the daemon's engine
-        cannot build lets the request end at once, with no text."""
+        cannot build is refused (`InvalidRequestError` naming `sampling.grammar`)."""
         rid = str(next(self._ids))
         try:  # refused here as the daemon would refuse it, without a round trip
             kind, text = grammar_of(json_schema, regex, choices, grammar)

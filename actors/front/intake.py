@@ -2,6 +2,8 @@
 
 `check_generate` compares a request with the intake `Limits` and returns the `Rejected` the
 client should get (or `None`); the Stream calls it before anything is held for the request.
+`GrammarChecks` says whether the engine can follow a request's grammar, on a worker thread:
+the HTTP front asks it before a request goes on, and so does a ZeroMQ connection's Stream.
 `check_prompt_length` and `check_prompt_form` need the model and are the Tokenizer's to call.
 Sampling ranges are checked by `SamplingParams` as the codec builds it; checks that need the
 daemon's state belong to the actors that own it. See docs/architecture.md, "A token's path".
@@ -11,6 +13,9 @@ from __future__ import annotations
 
 import math
 
+import trio
+
+from sluice.actors.executor import grammar
 from sluice.actors.front.limits import Limits
 from sluice.ipc import messages as m
 from sluice.ipc.vocabulary import INT64_MAX, InvalidParams, shown
@@ -72,6 +77,48 @@ def check_generate(msg: m.Generate, limits: Limits) -> m.Rejected | None:
         return _refuse(msg, invalid, "sampling.grammar", f"{len(sampling.grammar.encode())} "
                        "bytes", "max_grammar_bytes", limits.max_grammar_bytes)
     return None
+
+
+# grammars checked at once, in the whole daemon: each check holds a core while it runs
+GRAMMAR_CHECK_THREADS = 2
+
+
+def _grammar_error(kind: str, text: str) -> str:
+    """What is wrong with a grammar, "" when nothing is (runs on a worker thread)."""
+    try:
+        grammar.check(kind, text)
+    except grammar.GrammarError as exc:
+        return str(exc) or "invalid grammar"
+    return ""
+
+
+class GrammarChecks:
+    """Whether the engine can follow a grammar, shared by the daemon's fronts. A grammar is
+    checked on a worker thread, never on the event loop, by at most `GRAMMAR_CHECK_THREADS` at
+    once; a check that runs past `limits.max_grammar_compile_ms` is a refusal (its thread is
+    left to finish, and holds its place until it does); good and bad grammars are remembered
+    (`limits.max_cached_grammars`), so each is checked once."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.known = grammar.GrammarCache(limits.max_cached_grammars)
+        self.threads = trio.CapacityLimiter(GRAMMAR_CHECK_THREADS)
+
+    async def problem(self, kind: str, text: str) -> str:
+        """Why a request's grammar is refused, "" when it is not. A grammar seen before is
+        answered at once, without a checkpoint."""
+        error = self.known.get(kind, text)
+        if error is None:
+            limit = self.limits.max_grammar_compile_ms
+            with trio.move_on_after(limit / 1000) as timer:
+                error = await trio.to_thread.run_sync(_grammar_error, kind, text,
+                                                      limiter=self.threads,
+                                                      abandon_on_cancel=True)
+            if timer.cancelled_caught:
+                return (f"checking the grammar took longer than "
+                        f"limits.max_grammar_compile_ms = {limit}")
+            self.known.put(kind, text, error)
+        return f"not a grammar this server can follow: {error}" if error else ""
 
 
 def check_prompt_length(msg: m.Generate, max_model_len: int) -> m.Rejected | None:

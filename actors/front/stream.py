@@ -3,11 +3,12 @@
 It sends a request's chunks within the client's credits (merging what it buffers), pauses and
 resumes the request at its watermarks, ends requests paused past `pause_timeout` and all of a
 connection's requests when it is gone, and makes a request's usage record when its `Finished`
-leaves. Everything it says about a request goes to the Tokenizer, the one route to the
-Scheduler. What it says to its client goes to a `ClientSink`: one frame per handled message for
-a ZeroMQ connection, typed messages for an HTTP request. A crash ends only its connection's
-requests (it is supervised as transient). See docs/architecture.md, "A token's path", "Flow
-control" and "Failure semantics".
+leaves. A ZeroMQ client's grammar is checked here (`intake.GrammarChecks`, on a worker
+thread) before its request goes on. Everything it says about a request goes to the
+Tokenizer, the one route to the Scheduler. What it says to its client goes to a
+`ClientSink`: one frame per handled message for a ZeroMQ connection, typed messages for an
+HTTP request. A crash ends only its connection's requests (it is supervised as transient).
+See docs/architecture.md, "A token's path", "Flow control" and "Failure semantics".
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import trio
 
 from sluice.actors.runtime import messages as am
 from sluice.actors.runtime.base import Actor, Handler, Outbox, Outboxes
-from sluice.actors.front.intake import check_generate
+from sluice.actors.front.intake import GrammarChecks, check_generate
 from sluice.actors.front.limits import Limits, clip
 from sluice.actors.usage.records import complete, record, since
 from sluice.ipc import messages as m
@@ -95,6 +96,7 @@ class Stream(Actor):
         limits: Limits = Limits(),
         sink: ClientSink | None = None,
         usage: Outbox | None = None,
+        grammars: GrammarChecks | None = None,
     ):
         super().__init__(f"stream-{connection.hex()}")
         self.connection = connection
@@ -104,6 +106,8 @@ class Stream(Actor):
         self.sink = sink or FrameSink(codec, gateway)
         self.tokenizer = tokenizer  # the one route of this stream's requests
         self.usage = usage  # where usage records go
+        # checks each request's grammar before it goes on; None: the front checked it already
+        self.grammars = grammars
         self.usage_prefix = os.urandom(6).hex()  # with a count: ids unique across restarts
         self.usage_serial = 0
         self.closed = False
@@ -148,9 +152,7 @@ class Stream(Actor):
     async def on_generate(self, msg: m.Generate) -> None:
         self.last_heard = trio.current_time()
         if self.closed:  # routed here before the gateway learnt of the close
-            self._reject(m.Rejected(msg.request_id, m.RejectCode.OVERLOADED,
-                                  "this connection was closed; send the request again",
-                                  "connection"))
+            self._reject_closed(msg)
             return
         if msg.request_id in self.requests:
             self._reject(m.Rejected(msg.request_id, m.RejectCode.INVALID,
@@ -169,6 +171,18 @@ class Stream(Actor):
                                   f"a connection may have at most {cap} open requests",
                                   "max_requests_per_connection"))
             return
+        if self.grammars is not None and msg.sampling.constrained:
+            # a grammar not seen before is checked on a thread, within its time limit: this
+            # connection's later messages wait behind it, in order
+            problem = await self.grammars.problem(msg.sampling.grammar_kind,
+                                                  msg.sampling.grammar)
+            if problem:
+                self._reject(m.Rejected(msg.request_id, m.RejectCode.INVALID, problem,
+                                        "sampling.grammar"))
+                return
+            if self.closed:  # closed (a heartbeat timeout) while it was checked
+                self._reject_closed(msg)
+                return
         daemon_id = f"{self.connection.hex()}/{msg.request_id}"
         credits = min(msg.credits, self.limits.max_credits)
         self.usage_serial += 1
@@ -372,6 +386,11 @@ class Stream(Actor):
 
     def _send(self, msg: object) -> None:
         self.outgoing.append(msg)
+
+    def _reject_closed(self, msg: m.Generate) -> None:
+        self._reject(m.Rejected(msg.request_id, m.RejectCode.OVERLOADED,
+                                "this connection was closed; send the request again",
+                                "connection"))
 
     def _reject(self, msg: m.Rejected) -> None:
         """Send a rejection and count it (by code, for the metrics)."""

@@ -51,8 +51,7 @@ import structlog
 import trio
 import zmq
 
-from sluice.actors.executor import grammar
-from sluice.actors.executor.grammar import GrammarCache
+from sluice.actors.front.intake import GrammarChecks
 from sluice.actors.front.limits import Limits
 from sluice.actors.runtime import messages as am
 from sluice.actors.http import openai_api as api
@@ -93,14 +92,6 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
             return matched
     return group
 
-
-def _grammar_error(kind: str, text: str) -> str:
-    """What is wrong with a grammar, "" when nothing is (runs on a worker thread)."""
-    try:
-        grammar.check(kind, text)
-    except grammar.GrammarError as exc:
-        return str(exc) or "invalid grammar"
-    return ""
 
 @dataclass(frozen=True)
 class HttpSettings:
@@ -243,7 +234,7 @@ class HttpFront(Actor):
                  make_stream: Callable[[bytes, ResponseRouter], Stream], scheduler: Outbox,
                  model_name: str, max_model_len: int, heartbeat_interval: float = 1.0,
                  reserved_fds: int = 256, limits: Limits | None = None,
-                 inbox: Inbox | None = None):
+                 inbox: Inbox | None = None, grammars: GrammarChecks | None = None):
         super().__init__(inbox=inbox)
         self.settings = settings
         self.limits = limits or Limits()
@@ -252,9 +243,9 @@ class HttpFront(Actor):
         self.scheduler = scheduler
         self.model_name = settings.model_name or model_name
         self.model_alias = model_alias(self.model_name)  # the short name beside it
-        # grammars checked already (good ones and bad ones), and how many are being checked
-        self.grammars = GrammarCache(self.limits.max_cached_grammars)
-        self.grammar_checks = trio.CapacityLimiter(2)
+        # grammars checked already (good ones and bad ones), and the threads checking them:
+        # the daemon's, shared with its ZeroMQ connections
+        self.grammars = grammars or GrammarChecks(self.limits)
         self.max_model_len = max_model_len
         self.heartbeat_interval = heartbeat_interval
         self.keys = KeyRing(settings.tenants)
@@ -532,22 +523,11 @@ class HttpFront(Actor):
 
     async def _check_grammar(self, sampling, param: str) -> None:
         """A 400 naming `param` for a grammar the engine cannot take, or one whose check runs
-        past `limits.max_grammar_compile_ms`: checked on a worker thread, never on the event
-        loop, and remembered (`limits.max_cached_grammars`) so each is checked once."""
-        kind, text = sampling.grammar_kind, sampling.grammar
-        error = self.grammars.get(kind, text)
-        if error is None:
-            limit = self.limits.max_grammar_compile_ms
-            with trio.move_on_after(limit / 1000) as timer:
-                error = await trio.to_thread.run_sync(_grammar_error, kind, text,
-                                                      limiter=self.grammar_checks,
-                                                      abandon_on_cancel=True)
-            if timer.cancelled_caught:
-                raise api.invalid(param, f"checking the grammar took longer than "
-                                  f"limits.max_grammar_compile_ms = {limit}")
-            self.grammars.put(kind, text, error)
-        if error:
-            raise api.invalid(param, f"not a grammar this server can follow: {error}")
+        past `limits.max_grammar_compile_ms` (see `GrammarChecks`: on a worker thread, never
+        on the event loop, and each grammar once)."""
+        problem = await self.grammars.problem(sampling.grammar_kind, sampling.grammar)
+        if problem:
+            raise api.invalid(param, problem)
 
     async def _answer(self, request: api.ApiRequest, request_id: str, stream: Stream,
                       receive: Callable, send: Callable, last_try: bool,
