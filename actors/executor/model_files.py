@@ -136,9 +136,6 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     if int(rotary_dims) != head_dim:
         raise ModelLoadError(f"{path}: '{arch}.rope.dimension_count' is {rotary_dims}: rotary "
                              f"over part of a head is not supported (head size {head_dim})")
-    if "rope_factors_long.weight" in names:
-        raise ModelLoadError(f"{path}: rope_factors_long.weight (Phi-3's longrope scaling) is "
-                             "not supported")
     layers = int(need("block_count"))
     experts = int(gguf_field(reader, f"{arch}.expert_count") or 0)
     moe: dict = {}
@@ -203,7 +200,8 @@ _GGUF_YARN_UNSUPPORTED = ("rope.scaling.attn_factor", "rope.scaling.yarn_log_mul
 
 def _gguf_rope_scaling(reader, arch: str, path: Path, head_dim: int) -> RopeScaling | None:
     """llama.cpp's rope scaling keys as transformers' parameters: `linear` and `yarn` by
-    `{arch}.rope.scaling.type`, Llama 3's as a `rope_freqs.weight` tensor of divisors."""
+    `{arch}.rope.scaling.type`, Llama 3's as a `rope_freqs.weight` tensor of divisors, Phi-3's
+    longrope as `rope_factors_short.weight` and `rope_factors_long.weight`."""
     from sluice.actors.executor.gguf_file import dequantize
 
     def key(name: str, default=None):
@@ -217,6 +215,35 @@ def _gguf_rope_scaling(reader, arch: str, path: Path, head_dim: int) -> RopeScal
         raise ModelLoadError(f"{path}: rope scaling type {kind!r} ('{arch}.rope.scaling.type') "
                              f"is not supported (supported: {', '.join(GGUF_ROPE_SCALING_TYPES)}, "
                              "and Llama 3 frequency factors)")
+    longrope = {name: next((t for t in reader.tensors if t.name == f"rope_factors_{name}.weight"),
+                           None) for name in ("short", "long")}
+    if any(t is not None for t in longrope.values()):
+        if kind != "none":
+            raise ModelLoadError(f"{path}: rope scaling type {kind!r} together with longrope "
+                                 "rope_factors tensors is not supported")
+        factors = {}
+        for name, tensor in longrope.items():
+            if tensor is None:
+                raise ModelLoadError(f"{path}: longrope rope scaling without "
+                                     f"rope_factors_{name}.weight")
+            values = np.asarray(dequantize(tensor), dtype=np.float32).reshape(-1)
+            if values.size != head_dim // 2 or not (values > 0).all():
+                raise ModelLoadError(f"{path}: rope_factors_{name}.weight must hold "
+                                     f"{head_dim // 2} positive values (one per rotary pair), "
+                                     f"it holds {values.size}")
+            factors[f"{name}_factor"] = tuple(values.tolist())
+        original = key("rope.scaling.original_context_length")
+        if original is None or int(original) < 1:
+            raise ModelLoadError(f"{path}: longrope rope scaling without a positive "
+                                 f"'{arch}.rope.scaling.original_context_length'")
+        attention = key("rope.scaling.attn_factor")  # the converter's, from the same ratio
+        if attention is not None and not float(attention) > 0:
+            raise ModelLoadError(f"{path}: '{arch}.rope.scaling.attn_factor' is {attention}: "
+                                 "it must be positive")
+        return RopeScaling("longrope", original_max_position_embeddings=int(original),
+                           factor=int(key("context_length")) / int(original),
+                           attention_factor=None if attention is None else float(attention),
+                           **factors)
     divisors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if divisors is not None:
         if kind != "none":

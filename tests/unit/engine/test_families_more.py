@@ -203,7 +203,8 @@ _GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj":
 def write_family_gguf(folder, path, arch: str) -> None:
     """The folder's model as llama.cpp's converter writes it: q/k rows permuted for "llama",
     each layer's experts stacked into one [experts, rows, columns] tensor per matrix, Gemma's
-    norm weights stored as 1 + w with its soft caps and window in the metadata."""
+    norm weights stored as 1 + w with its soft caps and window in the metadata, Phi-3's longrope
+    factors as two tensors with the attention factor in the metadata."""
     from gguf import GGUFWriter
     from safetensors.torch import load_file
 
@@ -226,6 +227,15 @@ def write_family_gguf(folder, path, arch: str) -> None:
     if rope["rope_type"] == "linear":
         writer.add_string(f"{arch}.rope.scaling.type", "linear")
         writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+    if rope["rope_type"] == "longrope":  # Phi-3 128k: its factors as tensors, no scaling type
+        original = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
+        writer.add_float32(f"{arch}.rope.scaling.attn_factor", float(
+            np.sqrt(1 + np.log(scale) / np.log(original))) if scale > 1 else 1.0)
+        for name in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{name}.weight",
+                              np.array(rope[f"{name}_factor"], dtype="float32"))
     gemma = arch.startswith("gemma")
     if gemma:
         writer.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])

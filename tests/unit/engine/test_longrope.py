@@ -5,7 +5,8 @@ A tiny random-weight Phi-3 with an original context of 64 and a max of 256: a ru
 sequences past 64 takes the long factors for every position, which is what transformers
 computes for any sequence longer than 64 (it encodes the whole sequence again with them when
 one grows past it); a runner serving at most 64 takes the short ones, as transformers does for
-every sequence that short."""
+every sequence that short. Its config.json and the GGUF file llama.cpp's converter would write
+of it both load."""
 
 from __future__ import annotations
 
@@ -114,6 +115,25 @@ def test_the_su_spelling_reads_the_same(phi3_128k, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     (tmp_path / "model.safetensors").write_bytes(b"")  # read for its config alone
     assert read_model_config(tmp_path) == read_model_config(folder)
+
+
+def test_a_gguf_file_of_it_matches_transformers(phi3_128k, tmp_path):
+    """llama.cpp's Phi-3 128k: the factors as rope_factors_short/long tensors, the attention
+    factor and original context in the metadata; read back, the same choice by max_model_len."""
+    from test_families_more import write_family_gguf
+
+    reference, folder, _ = phi3_128k
+    path = tmp_path / "phi3-128k.gguf"
+    write_family_gguf(folder, path, "phi3")
+    scaling = read_model_config(path).rope_scaling
+    assert (scaling.rope_type, scaling.original_max_position_embeddings) == ("longrope", ORIGINAL)
+    for served, prompt in ((MAX_POSITIONS, LONG_PROMPT), (ORIGINAL, SHORT_PROMPTS[2])):
+        runner = ModelRunner(path, dtype="float32", num_blocks=8, block_size=16,
+                             max_model_len=served)
+        with torch.no_grad():
+            torch.testing.assert_close(families.forward_logits(runner.model, prompt),
+                                       reference(torch.tensor([prompt])).logits[0],
+                                       atol=1e-4, rtol=1e-4)
 
 
 def write_phi3_config(folder, rope: dict, **top) -> None:
