@@ -116,14 +116,15 @@ class LlamaModel:
         self.gather_logits = _identity
 
     def limit_positions(self, positions: int) -> None:
-        """Serve sequences of at most `positions` tokens: the rotary tables cover only those
-        (built again if they were built for another length). Phi-3's longrope also takes its
-        short or long factors by this length."""
+        """Serve sequences of at most `positions` tokens: the rotary tables cover only those,
+        built now (before a runner measures the memory a step takes). Phi-3's longrope also
+        takes its short or long factors by this length."""
         if not 0 < positions <= self.config.max_context:
             raise ValueError(f"positions served must be from 1 to the model's context "
                              f"({self.config.max_context}), got {positions}")
         if positions != self.rotary_positions:
             self.rotary_positions, self._rotary_tables = positions, None
+        _ = self.rotary_tables  # built here, not in the first forward
 
     @property
     def rotary_tables(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
