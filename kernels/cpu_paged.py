@@ -40,6 +40,8 @@ DISABLE_ENV = "SLUICE_CPU_PAGED"  # "off" (or 0/false/no): behave as if the buil
 MAX_IN_PLACE_QUERY = 4
 STALE_LOCK_SECONDS = 600.0  # a build takes well under a minute; ten is a dead builder
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+# built into the same library: the sampler's full-vocabulary race (`sluice.kernels.race`)
+SOURCES = (SOURCE, SOURCE.with_name("sampling_race_cpu.cpp"))
 # compile flags per ISA that torch itself detected on this CPU; the ISA is part of the
 # extension's name, so a cache shared between machines never loads a build for another CPU
 _ISA_FLAGS = {
@@ -87,12 +89,12 @@ def _build():
     checkout = hashlib.sha256(str(SOURCE.resolve()).encode()).hexdigest()[:8]
     # and the source itself: a changed op (its schema too) is always a fresh build, never
     # a cached library of the old source that ninja's timestamps took for up to date
-    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
+    source = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:8]
     name = f"sluice_paged_attention_cpu_{isa.lower()}_{checkout}_{source}"
     _clear_stale_lock(Path(cpp_extension._get_build_directory(name, False)) / "lock")
     cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(s) for s in SOURCES],
         extra_cflags=["-O3", *_ISA_FLAGS.get(isa, [])],
         is_python_module=False,
         verbose=False,

@@ -4,7 +4,8 @@ The whole batch is sampled in a few tensor ops, with no loop over rows: penaltie
 scattered for all rows at once; rows with a top-k or top-p bound work on their `topk`
 candidates (`CANDIDATES` of them for a top-p-only row, or every token of a row whose nucleus
 is wider than that: a batched full sort of those rows only); rows with neither race over
-the whole vocabulary, which needs no sort.
+the whole vocabulary, which needs no sort: in one fused pass per row where the op of
+`sluice.kernels.race` runs (C++ on CPU, Triton on CUDA), the torch code here defining it.
 
 Randomness never comes from a shared generator. A token is drawn by an exponential race,
 argmax over kept tokens of (logit / temperature - log E), where E ~ Exp(1) is a hash of
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from sluice.actors.scheduler.plan import SampledToken, ScheduledSeq
+from sluice.kernels import race
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) pairs apart
 _SEED_MASK = (1 << 63) - 1
@@ -138,24 +140,40 @@ def _sample_rows(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor
     """Token ids [rows] for rows that all sample (temperature > 0)."""
     device, vocab = logits.device, logits.shape[1]
     params = [s.sampling for s in seqs]
-    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-    scaled = logits / temperature
+    temperature = torch.tensor([p.temperature for p in params], device=device)
     keys = race_keys(seqs, device)
     chosen = torch.empty(len(seqs), dtype=torch.long, device=device)
     bounded = [i for i, p in enumerate(params) if (0 < p.top_k < vocab) or p.top_p < 1.0]
     unbounded = sorted(set(range(len(params))) - set(bounded))
     if unbounded:
         rows = torch.tensor(unbounded, device=device)
-        ids = torch.arange(vocab, device=device).expand(len(unbounded), vocab)
-        min_p = torch.tensor([params[i].min_p for i in unbounded], device=device)[:, None]
-        chosen[rows] = _race(scaled[rows], ids, keys[rows], min_p, None, None)
+        min_p = torch.tensor([params[i].min_p for i in unbounded], device=device)
+        whole = logits if len(unbounded) == len(params) else logits[rows]
+        chosen[rows] = race_whole_vocabulary(whole, temperature[rows], keys[rows], min_p)
     if bounded:
         k_needed = [params[i].top_k if 0 < params[i].top_k < vocab else CANDIDATES
                     for i in bounded]
         rows = torch.tensor(bounded, device=device)
-        chosen[rows] = _sample_candidates(scaled[rows], keys[rows],
-                                          [params[i] for i in bounded], k_needed)
+        scaled = logits[rows] / temperature[rows][:, None]
+        chosen[rows] = _sample_candidates(scaled, keys[rows], [params[i] for i in bounded],
+                                          k_needed)
     return chosen
+
+
+def race_whole_vocabulary(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+                          min_p: torch.Tensor, *, fused: bool = True) -> torch.Tensor:
+    """The winning token id per row of a race over every token: rows with neither top-k nor
+    top-p. logits float32 [rows, vocab]; temperature and min_p float32 [rows]; keys as
+    `race_keys` gives them.
+
+    The fused op of `sluice.kernels.race` (C++ on CPU, Triton on CUDA: one pass over the
+    logits) where it runs, else, or with `fused=False`, this torch code, its definition:
+    the two give the same tokens."""
+    if fused and logits.shape[0] and race.available(logits.device):
+        return race.race_full(logits.contiguous(), temperature, keys, torch.log(min_p))
+    vocab = logits.shape[1]
+    ids = torch.arange(vocab, device=logits.device).expand(logits.shape[0], vocab)
+    return _race(logits / temperature[:, None], ids, keys, min_p[:, None], None, None)
 
 
 def _sample_candidates(scaled: torch.Tensor, keys: torch.Tensor, params, k_needed: list[int]):

@@ -1,0 +1,76 @@
+"""The sampler's exponential race over whole rows of the vocabulary, in one pass per row.
+
+For every row the winner is argmax over tokens of (logit / temperature - log(-log U)), U the
+counter-based uniform of (row key, token id), among the tokens whose scaled logit reaches the
+row's min_p cut (scaled >= row max + log(min_p)); masked (-inf) tokens never race and a row
+where nothing races gives token 0. The torch code that defines it, and that these ops must
+match token for token, is the sampler's (`sluice.actors.executor.sampler`): it builds the
+noise as ~15 int64 tensor passes per hash round over rows x vocab, these fuse it.
+
+On CPU the op is C++ (`csrc/sampling_race_cpu.cpp`, built into one library with the paged
+attention op by `cpu_paged`, so it is available exactly when that is). On CUDA it is a Triton
+kernel (`race_triton`). `SLUICE_FUSED_RACE=off` turns both off: the sampler then runs its
+torch code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from sluice.kernels import cpu_paged
+
+__all__ = ["DISABLE_ENV", "available", "race_full"]
+
+DISABLE_ENV = "SLUICE_FUSED_RACE"  # "off" (or 0/false/no): the sampler races in torch
+
+
+def _disabled_by_env() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("off", "0", "false", "no")
+
+
+def available(device: torch.device) -> bool:
+    """Whether `race_full` runs on this device (else the sampler's torch code does)."""
+    if _disabled_by_env():
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and cpu_paged.available()
+
+
+def race_full(scores: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+              log_min_p: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: each row's winning token id.
+
+    scores: float32 [rows, vocab], unit stride along vocab (raw logits: each row is divided
+    by its temperature here); temperature: float32 [rows], > 0; keys: int64 [rows, 2], the
+    row's two 32-bit key halves (`sampler.race_keys`); log_min_p: float32 [rows], torch.log
+    of each row's min_p (-inf for none)."""
+    _check(scores, temperature, keys, log_min_p)
+    if scores.is_cuda:
+        from sluice.kernels.race_triton import race_full as launch
+
+        return launch(scores, temperature, keys, log_min_p)
+    if not cpu_paged.available():
+        raise RuntimeError(f"the CPU race op is unavailable: {cpu_paged.unavailable_reason()}")
+    return torch.ops.sluice_cpu.race_full(scores, temperature, keys, log_min_p)
+
+
+def _check(scores, temperature, keys, log_min_p) -> None:
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be float32 [rows, vocab], got {scores.dtype} "
+                         f"{tuple(scores.shape)}")
+    if scores.shape[1] == 0:
+        raise ValueError("scores must have at least one token per row")
+    if scores.stride(1) != 1:
+        raise ValueError(f"scores must have unit stride along vocab, got {scores.stride()}")
+    rows = scores.shape[0]
+    for name, tensor, dtype, shape in (("temperature", temperature, torch.float32, (rows,)),
+                                       ("log_min_p", log_min_p, torch.float32, (rows,)),
+                                       ("keys", keys, torch.int64, (rows, 2))):
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must be {str(dtype)[6:]} {shape}, got "
+                             f"{str(tensor.dtype)[6:]} {tuple(tensor.shape)}")
+        if tensor.device != scores.device:
+            raise ValueError(f"{name} is on {tensor.device} but scores on {scores.device}")
