@@ -7,10 +7,13 @@ where nothing races gives token 0. The torch code that defines it, and that thes
 match token for token, is the sampler's (`sluice.actors.executor.sampler`): it builds the
 noise as ~15 int64 tensor passes per hash round over rows x vocab, these fuse it.
 
-On CPU the op is C++ (`csrc/sampling_race_cpu.cpp`, built into one library with the paged
-attention op by `cpu_paged`, so it is available exactly when that is). On CUDA it is a Triton
-kernel (`race_triton`). `SLUICE_FUSED_RACE=off` turns both off: the sampler then runs its
-torch code.
+`race_masked` is the same race among candidates a caller lists (ids and a keep mask): the
+sampler's top-k and top-p rows, their cuts already made in torch.
+
+On CPU the ops are C++ (`csrc/sampling_race_cpu.cpp`, built into one library with the paged
+attention op by `cpu_paged`, so they are available exactly when that is). On CUDA they are
+a Triton kernel (`race_triton`). `SLUICE_FUSED_RACE=off` turns them off: the sampler then
+runs its torch code.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 
 from sluice.kernels import cpu_paged
 
-__all__ = ["DISABLE_ENV", "available", "race_full"]
+__all__ = ["DISABLE_ENV", "available", "race_full", "race_masked"]
 
 DISABLE_ENV = "SLUICE_FUSED_RACE"  # "off" (or 0/false/no): the sampler races in torch
 
@@ -47,7 +50,11 @@ def race_full(scores: torch.Tensor, temperature: torch.Tensor, keys: torch.Tenso
     by its temperature here); temperature: float32 [rows], > 0; keys: int64 [rows, 2], the
     row's two 32-bit key halves (`sampler.race_keys`); log_min_p: float32 [rows], torch.log
     of each row's min_p (-inf for none)."""
-    _check(scores, temperature, keys, log_min_p)
+    _check_rows("scores", scores)
+    rows = scores.shape[0]
+    _check_like("temperature", temperature, torch.float32, (rows,), "scores", scores)
+    _check_like("log_min_p", log_min_p, torch.float32, (rows,), "scores", scores)
+    _check_like("keys", keys, torch.int64, (rows, 2), "scores", scores)
     if scores.is_cuda:
         from sluice.kernels.race_triton import race_full as launch
 
@@ -57,20 +64,41 @@ def race_full(scores: torch.Tensor, temperature: torch.Tensor, keys: torch.Tenso
     return torch.ops.sluice_cpu.race_full(scores, temperature, keys, log_min_p)
 
 
-def _check(scores, temperature, keys, log_min_p) -> None:
+def race_masked(values: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor,
+                keep: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: the race among listed candidates, cuts already made (top-k, top-p).
+
+    values: float32 [rows, width], scaled logits; ids: int64 [rows, width], the token at each
+    position; keep: bool [rows, width], the positions that may race. The winner is the token
+    at the first position of the best race; ids[row, 0] where nothing races."""
+    _check_rows("values", values)
+    _check_like("keys", keys, torch.int64, (values.shape[0], 2), "values", values)
+    _check_like("ids", ids, torch.int64, tuple(values.shape), "values", values)
+    _check_like("keep", keep, torch.bool, tuple(values.shape), "values", values)
+    ids, keep = ids.contiguous(), keep.contiguous()
+    if values.is_cuda:
+        from sluice.kernels.race_triton import race_masked as launch
+
+        return launch(values, ids, keys, keep)
+    if not cpu_paged.available():
+        raise RuntimeError(f"the CPU race op is unavailable: {cpu_paged.unavailable_reason()}")
+    return torch.ops.sluice_cpu.race_masked(values, ids, keys, keep)
+
+
+def _check_rows(name: str, scores: torch.Tensor) -> None:
     if scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"scores must be float32 [rows, vocab], got {scores.dtype} "
+        raise ValueError(f"{name} must be float32 [rows, vocab], got {str(scores.dtype)[6:]} "
                          f"{tuple(scores.shape)}")
     if scores.shape[1] == 0:
-        raise ValueError("scores must have at least one token per row")
+        raise ValueError(f"{name} must have at least one token per row")
     if scores.stride(1) != 1:
-        raise ValueError(f"scores must have unit stride along vocab, got {scores.stride()}")
-    rows = scores.shape[0]
-    for name, tensor, dtype, shape in (("temperature", temperature, torch.float32, (rows,)),
-                                       ("log_min_p", log_min_p, torch.float32, (rows,)),
-                                       ("keys", keys, torch.int64, (rows, 2))):
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} must be {str(dtype)[6:]} {shape}, got "
-                             f"{str(tensor.dtype)[6:]} {tuple(tensor.shape)}")
-        if tensor.device != scores.device:
-            raise ValueError(f"{name} is on {tensor.device} but scores on {scores.device}")
+        raise ValueError(f"{name} must have unit stride along vocab, got {scores.stride()}")
+
+
+def _check_like(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple,
+                scores_name: str, scores: torch.Tensor) -> None:
+    if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must be {str(dtype)[6:]} {shape}, got "
+                         f"{str(tensor.dtype)[6:]} {tuple(tensor.shape)}")
+    if tensor.device != scores.device:
+        raise ValueError(f"{name} is on {tensor.device} but {scores_name} on {scores.device}")

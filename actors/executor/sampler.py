@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from sluice.actors.scheduler.plan import SampledToken, ScheduledSeq
-from sluice.kernels import race
+from sluice.kernels import race as fused_race
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) pairs apart
 _SEED_MASK = (1 << 63) - 1
@@ -169,11 +169,12 @@ def race_whole_vocabulary(logits: torch.Tensor, temperature: torch.Tensor, keys:
     The fused op of `sluice.kernels.race` (C++ on CPU, Triton on CUDA: one pass over the
     logits) where it runs, else, or with `fused=False`, this torch code, its definition:
     the two give the same tokens."""
-    if fused and logits.shape[0] and race.available(logits.device):
-        return race.race_full(logits.contiguous(), temperature, keys, torch.log(min_p))
+    if fused and logits.shape[0] and fused_race.available(logits.device):
+        return fused_race.race_full(logits.contiguous(), temperature, keys, torch.log(min_p))
     vocab = logits.shape[1]
     ids = torch.arange(vocab, device=logits.device).expand(logits.shape[0], vocab)
-    return _race(logits / temperature[:, None], ids, keys, min_p[:, None], None, None)
+    return _race(logits / temperature[:, None], ids, keys, min_p[:, None], None, None,
+                 fused=False)
 
 
 def _sample_candidates(scaled: torch.Tensor, keys: torch.Tensor, params, k_needed: list[int]):
@@ -206,11 +207,14 @@ def _sample_candidates(scaled: torch.Tensor, keys: torch.Tensor, params, k_neede
 
 
 def _race(values: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, min_p: torch.Tensor,
-          top_p: torch.Tensor | None, normalizer: torch.Tensor | None) -> torch.Tensor:
+          top_p: torch.Tensor | None, normalizer: torch.Tensor | None, *,
+          fused: bool = True) -> torch.Tensor:
     """The winning token id per row among candidates `ids` with scaled logits `values`.
 
     With `top_p`, the candidates must be sorted best first and `normalizer` is the log of
-    the row's total mass; without it the candidates may come in any order.
+    the row's total mass; without it the candidates may come in any order. The cuts are
+    made here; the race itself runs in the fused op of `sluice.kernels.race` where it runs
+    (and `fused`), else in the torch code below, which defines it.
     """
     row_max = values.max(-1, keepdim=True).values
     # min_p keeps tokens with probability >= min_p * the top probability
@@ -223,6 +227,8 @@ def _race(values: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, min_p: to
     # a masked token (-inf) never races: its noise may be 0, and -inf - log(0) is NaN,
     # which argmax would pick
     keep &= values > float("-inf")
+    if fused and values.shape[0] and fused_race.available(values.device):
+        return fused_race.race_masked(values.contiguous(), ids, keys, keep)
     noise = exponential_noise(keys, ids)
     race = torch.where(keep, values - noise.log(), float("-inf"))
     return ids.gather(1, race.argmax(-1, keepdim=True))[:, 0]

@@ -15,6 +15,9 @@
 // row.
 //
 // Work items are (row, chunk of the vocabulary), so one long row keeps every core busy too.
+//
+// `race_full` races token j at position j of each row; `race_masked` races the candidates a
+// caller lists (their ids and a keep mask: the sampler's top-k and top-p rows).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -71,7 +74,7 @@ inline float floor_of(float best) {
 }
 
 struct Candidate {
-  int64_t token;
+  int64_t position;  // in the row (the token id itself unless the row has its own ids)
   float scaled;
   float race;  // approximate
 };
@@ -84,6 +87,8 @@ struct ItemResult {
 
 struct RowSetting {
   const float* scores;
+  const int64_t* ids;  // the token at each position, or null: the position is the token
+  const bool* keep;    // whether each position may race at all, or null: every one may
   float temperature;
   float threshold;     // a token races if its scaled logit is >= this (min_p)
   bool check_bounded;  // no min_p: the threshold is -inf unless the row max is NaN or +inf
@@ -100,11 +105,20 @@ void race_item(const RowSetting& row, int64_t begin, int64_t end, ItemResult& re
   for (int64_t base = begin; base < end; base += kTile) {
     const int64_t n = std::min(kTile, end - base);
     const int64_t padded = (n + Vec::size() - 1) / Vec::size() * Vec::size();
-    for (int64_t i = 0; i < n; ++i) {
-      const float s = row.scores[base + i] / row.temperature;
-      unbounded += !(s < kInf);  // NaN or +inf
-      scaled[i] = s;
-      uniform[i] = uniform_of(noise_bits(static_cast<uint32_t>(base + i), row.lo, row.hi));
+    if (row.ids == nullptr) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float s = row.scores[base + i] / row.temperature;
+        unbounded += !(s < kInf);  // NaN or +inf
+        scaled[i] = s;
+        uniform[i] = uniform_of(noise_bits(static_cast<uint32_t>(base + i), row.lo, row.hi));
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        // a position the mask leaves out races as a masked token does: never
+        scaled[i] = row.keep[base + i] ? row.scores[base + i] / row.temperature : -kInf;
+        uniform[i] = uniform_of(
+            noise_bits(static_cast<uint32_t>(row.ids[base + i]), row.lo, row.hi));
+      }
     }
     for (int64_t i = n; i < padded; ++i) {
       scaled[i] = -kInf;  // never races
@@ -141,13 +155,22 @@ float row_max(const float* scores, int64_t vocab, float temperature) {
   return best / temperature;
 }
 
-at::Tensor race_full(const at::Tensor& scores, const at::Tensor& temperature,
-                     const at::Tensor& keys, const at::Tensor& log_min_p) {
+// the race of every row; `ids` and `keep` (both [rows, vocab], contiguous) or neither
+at::Tensor race(const at::Tensor& scores, const at::Tensor& temperature, const at::Tensor& keys,
+                const at::Tensor& log_min_p, const at::Tensor* ids, const at::Tensor* keep) {
   TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat && scores.stride(1) == 1,
               "scores must be float32 [rows, vocab] with unit stride along vocab");
   const int64_t rows = scores.size(0);
   const int64_t vocab = scores.size(1);
   TORCH_CHECK(vocab > 0, "scores must have at least one token");
+  if (ids != nullptr) {
+    TORCH_CHECK(ids->sizes() == scores.sizes() && ids->scalar_type() == at::kLong &&
+                    ids->is_contiguous(),
+                "ids must be contiguous int64 shaped as scores");
+    TORCH_CHECK(keep->sizes() == scores.sizes() && keep->scalar_type() == at::kBool &&
+                    keep->is_contiguous(),
+                "keep must be contiguous bool shaped as scores");
+  }
   TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == rows &&
                   temperature.scalar_type() == at::kFloat,
               "temperature must be float32 [rows]");
@@ -171,6 +194,8 @@ at::Tensor race_full(const at::Tensor& scores, const at::Tensor& temperature,
     for (int64_t r = begin; r < end; ++r) {
       RowSetting& s = settings[r];
       s.scores = base + r * scores.stride(0);
+      s.ids = ids == nullptr ? nullptr : ids->data_ptr<int64_t>() + r * vocab;
+      s.keep = keep == nullptr ? nullptr : keep->data_ptr<bool>() + r * vocab;
       s.temperature = t[r];
       s.lo = static_cast<uint32_t>(k[2 * r]);
       s.hi = static_cast<uint32_t>(k[2 * r + 1]);
@@ -191,8 +216,10 @@ at::Tensor race_full(const at::Tensor& scores, const at::Tensor& temperature,
     }
   });
 
-  // the tokens to race exactly, all rows together: one call of torch's own log
-  auto out = at::zeros({rows}, scores.options().dtype(at::kLong));
+  // the tokens to race exactly, all rows together: one call of torch's own log. A row where
+  // nothing races gives its first position's token, as argmax over all -inf picks
+  auto out = ids == nullptr ? at::zeros({rows}, scores.options().dtype(at::kLong))
+                            : ids->select(1, 0).contiguous();
   int64_t* chosen = out.data_ptr<int64_t>();
   std::vector<int64_t> owner;
   std::vector<Candidate> finalists;
@@ -203,8 +230,7 @@ at::Tensor race_full(const at::Tensor& scores, const at::Tensor& temperature,
       best = std::max(best, items[r * chunks + c].best);
       unbounded |= items[r * chunks + c].unbounded;
     }
-    // no token races (all masked, or a NaN/+inf max without min_p): torch's argmax of an
-    // all -inf row is its first token
+    // no token races (all masked, or a NaN/+inf max without min_p)
     if (unbounded || best == -kInf) continue;
     const float floor = floor_of(best);
     for (int64_t c = 0; c < chunks; ++c) {
@@ -222,8 +248,9 @@ at::Tensor race_full(const at::Tensor& scores, const at::Tensor& temperature,
   float* u = uniform.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = owner[i];
-    u[i] = uniform_of(noise_bits(static_cast<uint32_t>(finalists[i].token), settings[r].lo,
-                                 settings[r].hi));
+    const int64_t position = finalists[i].position;
+    const int64_t token = ids == nullptr ? position : settings[r].ids[position];
+    u[i] = uniform_of(noise_bits(static_cast<uint32_t>(token), settings[r].lo, settings[r].hi));
   }
   // noise = -log(uniform); race = scaled - log(noise), as the torch code computes them
   const auto log_noise = at::log(at::neg(at::log(uniform))).contiguous();
@@ -233,25 +260,44 @@ at::Tensor race_full(const at::Tensor& scores, const at::Tensor& temperature,
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = owner[i];
     const float race = finalists[i].scaled - ln[i];
-    const int64_t token = finalists[i].token;
+    const int64_t position = finalists[i].position;
     // the first of equal races wins, as argmax picks
-    if (winner[r] < 0 || race > best[r] || (race == best[r] && token < winner[r])) {
+    if (winner[r] < 0 || race > best[r] || (race == best[r] && position < winner[r])) {
       best[r] = race;
-      winner[r] = token;
+      winner[r] = position;
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    if (winner[r] >= 0) chosen[r] = winner[r];
+    if (winner[r] >= 0) chosen[r] = ids == nullptr ? winner[r] : settings[r].ids[winner[r]];
   }
   return out;
+}
+
+at::Tensor race_full(const at::Tensor& scores, const at::Tensor& temperature,
+                     const at::Tensor& keys, const at::Tensor& log_min_p) {
+  return race(scores, temperature, keys, log_min_p, nullptr, nullptr);
+}
+
+// candidates given by the caller: position j of row r is token ids[r, j] with scaled logit
+// values[r, j] and races only where keep[r, j] (the sampler's top-k/top-p rows, their cuts
+// already made); the winner's token id, or ids[r, 0] where nothing races
+at::Tensor race_masked(const at::Tensor& values, const at::Tensor& ids, const at::Tensor& keys,
+                       const at::Tensor& keep) {
+  const int64_t rows = values.size(0);
+  const auto ones = at::ones({rows}, values.options());
+  const auto no_min_p = at::full({rows}, -kInf, values.options());
+  // dividing by 1 changes no value; no min_p and a mask: the NaN/+inf check stays off
+  return race(values, ones, keys, no_min_p, &ids, &keep);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
   m.def("race_full(Tensor scores, Tensor temperature, Tensor keys, Tensor log_min_p) -> Tensor");
+  m.def("race_masked(Tensor values, Tensor ids, Tensor keys, Tensor keep) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
   m.impl("race_full", &race_full);
+  m.impl("race_masked", &race_masked);
 }

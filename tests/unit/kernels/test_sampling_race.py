@@ -14,10 +14,11 @@ import textwrap
 import pytest
 import torch
 
-from sluice.actors.executor.sampler import exponential_noise, race_whole_vocabulary
+from sluice.actors.executor.sampler import _race, exponential_noise, race_whole_vocabulary
 from sluice.actors.scheduler.plan import SamplingParams
 from sluice.kernels import cpu_paged, race
 from sluice.kernels.race_triton import race_full as triton_race
+from sluice.kernels.race_triton import race_masked as triton_race_masked
 
 NEG_INF = float("-inf")
 
@@ -132,6 +133,35 @@ def test_rows_where_nothing_races_give_token_0_and_an_infinite_race_wins():
     assert cpu_race(*one).tolist() == [763]
 
 
+def listed_candidates(rows: int, width: int, vocab: int, seed: int):
+    """Candidates as the sampler's top-k/top-p rows list them: values sorted best first, the
+    ids of any tokens, a keep mask (some rows keep nothing at all)."""
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.randn(rows, width, generator=g) * 3).sort(-1, descending=True).values
+    values[torch.rand(rows, width, generator=g) < 0.05] = NEG_INF
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:width] for _ in range(rows)])
+    keep = torch.rand(rows, width, generator=g) < torch.rand(rows, 1, generator=g)
+    keep[:3] = False
+    keys = torch.randint(0, 1 << 32, (rows, 2), generator=g)
+    return values, ids, keys, keep
+
+
+def torch_race_masked(values, ids, keys, keep):
+    # no min_p (log 0 = -inf keeps all), no top_p: the race among the kept candidates only
+    return _race(values.masked_fill(~keep, NEG_INF), ids, keys, torch.zeros(len(values), 1),
+                 None, None, fused=False)
+
+
+@pytest.mark.parametrize("width, rows", [(256, 64), (49152, 4), (7, 50)])
+def test_masked_op_picks_the_torch_tokens(width, rows):
+    args = listed_candidates(rows, width, vocab=max(width, 50000), seed=width)
+    expected = torch_race_masked(*args)
+    assert expected[:3].tolist() == args[1][:3, 0].tolist()  # nothing kept: the first id
+    assert torch.equal(race.race_masked(*args), expected)
+    if width < 49152:
+        assert torch.equal(triton_race_masked(*args), expected)
+
+
 def test_the_op_names_a_wrong_argument():
     logits, temperature, keys, min_p = random_rows(4, 100, seed=1)
     log_min_p = torch.log(min_p)
@@ -143,6 +173,12 @@ def test_the_op_names_a_wrong_argument():
         race.race_full(logits.double(), temperature, keys, log_min_p)
     with pytest.raises(ValueError, match="unit stride"):
         race.race_full(logits.t().contiguous().t(), temperature, keys, log_min_p)
+    ids = torch.arange(100).expand(4, 100)
+    keep = torch.ones(4, 100, dtype=torch.bool)
+    with pytest.raises(ValueError, match="ids"):
+        race.race_masked(logits, ids[:, :50], keys, keep)
+    with pytest.raises(ValueError, match="keep"):
+        race.race_masked(logits, ids, keys, keep.int())
 
 
 @pytest.mark.parametrize("vocab, rows", [(49152, 6), (3001, 24), (5, 8)])
@@ -166,13 +202,15 @@ COMPILE = textwrap.dedent("""
     from sluice.kernels import race_triton
 
     signature = dict(Scores="*fp32", Temperature="*fp32", Keys="*i64", Threshold="*fp32",
-                     ChunkBest="*fp32", ChunkToken="*i64", vocab="i32", stride_row="i32",
-                     num_chunks="i32", BLOCK="constexpr")
-    compiled = triton.compile(ASTSource(race_triton._race_kernel, signature,
-                                        dict(BLOCK=race_triton.BLOCK)),
-                              target=GPUTarget("cuda", 90, 32))
-    assert "cubin" in compiled.asm
-    print(compiled.asm["ptx"])
+                     Ids="*i64", Keep="*i1", ChunkBest="*fp32", ChunkToken="*i64",
+                     vocab="i32", stride_row="i32", num_chunks="i32", BLOCK="constexpr",
+                     MASKED="constexpr")
+    for masked in (False, True):
+        compiled = triton.compile(ASTSource(race_triton._race_kernel, signature,
+                                            dict(BLOCK=race_triton.BLOCK, MASKED=masked)),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert "cubin" in compiled.asm
+        print(compiled.asm["ptx"])
 """)
 
 
