@@ -111,17 +111,18 @@ def test_cpu_op_decides_near_ties_and_exact_ties_as_torch_does():
 
 def test_rows_where_nothing_races_give_token_0_and_an_infinite_race_wins():
     vocab = 1024
-    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3))
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(3))
     logits[0] = NEG_INF  # everything masked
     logits[1, 17] = float("nan")  # a NaN max: the min_p sum is NaN, nothing races
     logits[2, 400] = float("inf")  # a +inf max without min_p: the same
     logits[3, 400] = float("inf")  # with min_p: only the +inf token races
     logits[4, 1:] = NEG_INF  # only token 0 is left
-    temperature = torch.tensor([0.7, 1.0, 1.0, 1.0, 1.3, 1e-30])  # row 5 overflows to +-inf
-    min_p = torch.tensor([0.1, 0.0, 0.0, 0.05, 0.0, 0.0])
-    keys = torch.randint(0, 1 << 32, (6, 2), generator=torch.Generator().manual_seed(4))
+    logits[6, 9] = float("nan")  # a NaN max with min_p: nothing races
+    temperature = torch.tensor([0.7, 1.0, 1.0, 1.0, 1.3, 1e-30, 1.0])  # row 5 overflows
+    min_p = torch.tensor([0.1, 0.0, 0.0, 0.05, 0.0, 0.0, 0.2])
+    keys = torch.randint(0, 1 << 32, (7, 2), generator=torch.Generator().manual_seed(4))
     expected = torch_race(logits, temperature, keys, min_p)
-    assert expected[:5].tolist() == [0, 0, 0, 400, 0]
+    assert expected[:5].tolist() == [0, 0, 0, 400, 0] and expected[6] == 0
     assert torch.equal(cpu_race(logits, temperature, keys, min_p), expected)
     # key (1395, 12345) hashes token 763 to a uniform of exactly 1: noise 0, race +inf
     keys = torch.tensor([[1395, 12345]])
