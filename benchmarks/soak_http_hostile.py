@@ -185,7 +185,8 @@ async def http_h2c(listen: str, plan, tally: Tally, stop: trio.Event) -> None:
         tally.frames_sent += 1
         if prior and answer.startswith(b"HTTP/1.1 505") and closed:
             tally.rejected["505/http_version_not_supported"] += 1
-        elif not prior and answer.startswith(b"HTTP/1.1 200"):
+        elif not prior and answer.startswith((b"HTTP/1.1 200", b"HTTP/1.1 503")):
+            # 503: /health while a fault has the worker down, in HTTP/1.1 all the same
             tally.outcomes["upgrade ignored, answered in HTTP/1.1"] += 1
         else:
             _unexpected(tally, "HTTP/2 prior knowledge" if prior else "an h2c upgrade",
@@ -249,7 +250,7 @@ def _bad_values(plan) -> list[tuple[str, dict, tuple[int, ...], str | None]]:
             ("top_k 2**63", {"top_k": 2**63}, (400,), "top_k"),
             ("priority -2**64", {"priority": -2**64}, (400,), "priority"),
             ("temperature 'hot'", {"temperature": "hot"}, (400,), "temperature"),
-            ("n 2", {"n": 2}, (400,), "n"), ("tools", {"tools": []}, (400,), "tools"),
+            ("n 9", {"n": 9}, (400,), "n"), ("tools", {"tools": []}, (400,), "tools"),
             ("17 stop strings", {"stop": [f"s{i}" for i in range(17)]}, (400,), "stop"),
             ("prompt 7", {"prompt": 7}, (400,), "prompt"),
             ("an unknown model", {"model": "no-such-model"}, (404,), "model")]
