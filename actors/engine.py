@@ -17,7 +17,8 @@ import torch
 from sluice.actors.executor.runner import ModelRunner
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
 from sluice.actors.scheduler.errors import InvalidRequest
-from sluice.actors.scheduler.plan import InvalidParams, RequestOutput, SamplingParams, StepResult
+from sluice.actors.scheduler.plan import RequestOutput, StepResult
+from sluice.ipc.vocabulary import InvalidParams, SamplingParams
 from sluice.actors.scheduler.step_budget import StepBudget
 from sluice.actors.text import RequestText, Tokenizer, load_tokenizer
 from sluice.ipc.messages import TokenLogprobs

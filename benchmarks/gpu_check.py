@@ -223,7 +223,8 @@ def engine_section(device: torch.device, smoke: bool) -> dict:
     from sluice import kernels
     from sluice.actors.executor.model import ModelConfig
     from sluice.actors.executor.runner import ModelRunner
-    from sluice.actors.scheduler.plan import SamplingParams, ScheduledSeq, StepPlan
+    from sluice.actors.scheduler.plan import ScheduledSeq, StepPlan
+    from sluice.ipc.vocabulary import SamplingParams
 
     config = ModelConfig(**(TINY_MODEL if smoke else LLAMA3_8B))
     batches = (1, 2) if smoke else DECODE_BATCHES

@@ -177,7 +177,7 @@ def run_sluice(engine, workload: Workload, sampling: Sampling, system: str,
                profile: bool = False) -> Result:
     """Every request submitted up front, then `step()` until none is left: the engine's own
     continuous batching with its default scheduler settings and KV pool."""
-    from sluice.actors.scheduler.plan import SamplingParams
+    from sluice.ipc.vocabulary import SamplingParams
 
     def params(n: int, seed: int) -> SamplingParams:
         return SamplingParams(max_tokens=n, temperature=sampling.temperature,

@@ -67,7 +67,7 @@ def race_section(rows_list: list[int], vocab: int, repeats: int, device: str) ->
 
 def engine_section(args) -> None:
     from sluice.actors.engine import Engine
-    from sluice.actors.scheduler.plan import SamplingParams
+    from sluice.ipc.vocabulary import SamplingParams
     from sluice.kernels import race
 
     engine = Engine(dtype=args.dtype)

@@ -16,7 +16,8 @@ import statistics
 import time
 
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
-from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
+from sluice.actors.scheduler.plan import SampledToken, StepResult
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.daemon.heap import settle_collector
 
 

@@ -6,7 +6,8 @@ Applications catch `RejectedError` for any refusal, or one subclass for one reas
 
 from __future__ import annotations
 
-from sluice.ipc.messages import Rejected, RejectCode
+from sluice.ipc.messages import Rejected
+from sluice.ipc.vocabulary import RejectCode
 
 
 class SluiceError(Exception):

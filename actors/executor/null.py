@@ -23,7 +23,8 @@ from sluice.actors.executor.protocol import (
 )  # fmt: skip
 from sluice.actors.runtime.registry import CODEC
 from sluice.actors.runtime.reports import WorkerFacts, WorkerQuery, WorkerState
-from sluice.actors.scheduler.plan import SamplingParams, StepPlan, StepResult
+from sluice.actors.scheduler.plan import StepPlan, StepResult
+from sluice.ipc.vocabulary import SamplingParams
 
 
 class NullExecutor(Actor):

@@ -25,7 +25,8 @@ from sluice.actors.executor.loader import load_weights, resolve_model_path
 from sluice.actors.executor.memory import DEFAULT_KV_MEMORY_FRACTION, KVSizing
 from sluice.actors.executor.model import AttentionInputs, LlamaModel, ModelConfig
 from sluice.actors.executor.sampler import sample
-from sluice.actors.scheduler.plan import SamplingParams, ScheduledSeq, StepPlan, StepResult
+from sluice.actors.scheduler.plan import ScheduledSeq, StepPlan, StepResult
+from sluice.ipc.vocabulary import SamplingParams
 
 DEFAULT_CPU_KV_BYTES = memory.DEFAULT_CPU_KV_MAX_BYTES
 DEFAULT_PROFILE_TOKENS = 512  # the scheduler's default token budget

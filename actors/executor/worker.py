@@ -28,7 +28,8 @@ from sluice.actors.executor.protocol import (
 )  # fmt: skip
 from sluice.actors.runtime.registry import CODEC
 from sluice.actors.runtime.reports import WorkerFacts
-from sluice.actors.scheduler.plan import SamplingParams, ScheduledSeq, StepPlan, StepResult
+from sluice.actors.scheduler.plan import ScheduledSeq, StepPlan, StepResult
+from sluice.ipc.vocabulary import SamplingParams
 
 # the fixed forward of the health check: a short greedy prompt in block 0 of a fresh pool
 HEALTH_PROMPT = (1, 504, 3458, 282, 4649, 314, 2, 28, 19)

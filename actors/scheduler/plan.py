@@ -16,12 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from sluice.ipc.vocabulary import FinishReason, InvalidParams, SamplingParams
+from sluice.ipc.vocabulary import FinishReason, SamplingParams
 
 _new_tuple = tuple.__new__
 
-__all__ = ["InvalidParams", "RequestCost", "RequestOutput", "SampledToken", "SamplingParams",
-           "ScheduledSeq", "StepPlan", "StepResult", "TokenPair"]
+__all__ = ["RequestCost", "RequestOutput", "SampledToken", "ScheduledSeq", "StepPlan",
+           "StepResult", "TokenPair"]
 
 
 @dataclass

@@ -12,7 +12,8 @@ import random
 from dataclasses import dataclass, field
 
 from sluice.actors.scheduler.errors import InvalidRequest
-from sluice.actors.scheduler.plan import RequestCost, RequestOutput, SamplingParams
+from sluice.actors.scheduler.plan import RequestCost, RequestOutput
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.ipc.vocabulary import FinishReason
 
 

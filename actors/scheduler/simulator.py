@@ -13,7 +13,8 @@ from typing import Any
 
 from sluice.actors.scheduler.errors import Quota
 from sluice.actors.scheduler.scheduler import Scheduler
-from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
+from sluice.actors.scheduler.plan import SampledToken, StepResult
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.actors.scheduler.request import Request
 from sluice.actors.scheduler.scenario import Scenario, SimRequest, percentile
 from sluice.ipc.vocabulary import FinishReason

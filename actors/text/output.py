@@ -8,7 +8,8 @@ text is released at the end, or how tokens are counted.
 from __future__ import annotations
 
 from sluice.actors.text.detokenizer import IncrementalDetokenizer
-from sluice.ipc.messages import FinishReason, TokenLogprobs, TopLogprob, Usage
+from sluice.ipc.messages import TokenLogprobs, TopLogprob, Usage
+from sluice.ipc.vocabulary import FinishReason
 
 # the ends after which text held back (a possible start of a stop string) is the client's;
 # a cancelled or failed request ends where its last delta ended

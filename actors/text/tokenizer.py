@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, models, pre_tokenizers
 
-from sluice.actors.scheduler.plan import InvalidParams
+from sluice.ipc.vocabulary import InvalidParams
 from sluice.actors.text.detokenizer import ByteVocabulary
 
 # how llama.cpp names the pre-tokenizer of a byte-level vocabulary -> the split it stands for

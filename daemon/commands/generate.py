@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_from_args(args):
-    from sluice.actors.scheduler.plan import SamplingParams
+    from sluice.ipc.vocabulary import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from sluice.actors.executor.worker import model_label
     from sluice.actors.executor.model_files import ModelLoadError
     from sluice.actors.scheduler.errors import AdmissionError
-    from sluice.actors.scheduler.plan import InvalidParams
+    from sluice.ipc.vocabulary import InvalidParams
 
     try:
         sampling = sampling_from_args(args)

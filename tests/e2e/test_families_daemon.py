@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from sluice.actors.engine import Engine
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.ipc.client import AsyncClient
 
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,8 @@ from sluice.actors.executor.protocol import PlanFrame, ResultFrame
 from sluice.actors.executor.worker import decode_plan, encode_result
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
 from sluice.actors.scheduler.actor import SchedulerActor
-from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepPlan, StepResult
+from sluice.actors.scheduler.plan import SampledToken, StepPlan, StepResult
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command

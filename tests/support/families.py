@@ -13,7 +13,7 @@ from sluice.actors.engine import Engine
 from sluice.actors.executor.model import AttentionInputs, LlamaModel
 from sluice.actors.executor.runner import ModelRunner
 from sluice.actors.scheduler import SchedulerConfig
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 
 VOCAB = 300
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -206,7 +206,7 @@ def offline_greedy():
     slow; one batch is far cheaper than one call per prompt); later calls hit the cache.
     """
     from sluice.actors.engine import Engine
-    from sluice.actors.scheduler.plan import SamplingParams
+    from sluice.ipc.vocabulary import SamplingParams
 
     engine = Engine(None, dtype="float32", num_blocks=512)
     cache: dict[tuple, list[int]] = {}

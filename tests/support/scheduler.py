@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
-from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepPlan, StepResult
+from sluice.actors.scheduler.plan import SampledToken, StepPlan, StepResult
+from sluice.ipc.vocabulary import SamplingParams
 
 
 class FakeClock:

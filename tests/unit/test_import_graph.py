@@ -306,3 +306,23 @@ def test_no_actor_imports_another_actor_s_module() -> None:
         if other != name and (name, other) not in SUPERVISES
     )
     assert crossing == []
+
+
+def test_the_shared_vocabulary_is_imported_from_where_it_is_declared() -> None:
+    """A name the vocabulary declares (`SamplingParams`, `InvalidParams`, `FinishReason`, ...)
+    is imported from it, never through a module that happens to import it too: one import
+    path each, in the package, its tests and its benchmarks."""
+    tree = ast.parse(MODULES[SHARED_VOCABULARY].path.read_text())
+    declared = {node.name for node in tree.body
+                if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    assert {"SamplingParams", "InvalidParams"} <= declared
+    sources = [module.path for module in MODULES.values()]
+    sources += sorted((ROOT / "tests").rglob("*.py")) + sorted((ROOT / "benchmarks").rglob("*.py"))
+    elsewhere = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.startswith("sluice.") and node.module != SHARED_VOCABULARY):
+                elsewhere += [f"{path.relative_to(ROOT)}: {alias.name} from {node.module}"
+                              for alias in node.names if alias.name in declared]
+    assert not elsewhere, elsewhere

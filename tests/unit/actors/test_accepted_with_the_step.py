@@ -11,7 +11,8 @@ from sluice.actors.runtime.base import Inbox
 from sluice.actors.executor.protocol import PlanFrame, ResultFrame
 from sluice.actors.executor.worker import decode_plan, encode_result
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
-from sluice.actors.scheduler.plan import SamplingParams, StepResult
+from sluice.actors.scheduler.plan import StepResult
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.actors.scheduler.actor import ACCEPTED_HOLD, SchedulerActor
 
 from support.daemon import taken_from

@@ -10,7 +10,8 @@ from sluice.actors.executor.protocol import PlanFrame, ResultFrame
 from sluice.actors.executor.worker import decode_plan, encode_result
 from sluice.actors.runtime.reports import Backlog, BacklogGauge
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
-from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
+from sluice.actors.scheduler.plan import SampledToken, StepResult
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.actors.scheduler.actor import SchedulerActor
 
 from support.daemon import taken_from

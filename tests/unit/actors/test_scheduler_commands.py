@@ -6,7 +6,8 @@ from __future__ import annotations
 from sluice.actors.scheduler import commands
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig, TenantConfig
 from sluice.actors.scheduler.latency import LatencyLog
-from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
+from sluice.actors.scheduler.plan import SampledToken, StepResult
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
 from sluice.ipc.vocabulary import FinishReason

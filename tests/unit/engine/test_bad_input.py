@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from sluice.actors.scheduler.errors import AdmissionError
-from sluice.actors.scheduler.plan import InvalidParams, SamplingParams
+from sluice.ipc.vocabulary import InvalidParams, SamplingParams
 from sluice.ipc.vocabulary import RejectCode
 
 GOOD = SamplingParams(max_tokens=3, temperature=0.0)

@@ -9,7 +9,8 @@ import itertools
 import torch
 
 from sluice.actors.executor.sampler import CANDIDATES, reference_sample, sample
-from sluice.actors.scheduler.plan import SamplingParams, ScheduledSeq
+from sluice.actors.scheduler.plan import ScheduledSeq
+from sluice.ipc.vocabulary import SamplingParams
 
 VOCAB = 3000  # wider than CANDIDATES: flat rows need the full-sort fallback, peaked ones don't
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from sluice.actors.scheduler.plan import SamplingParams, ScheduledSeq, StepPlan
+from sluice.actors.scheduler.plan import ScheduledSeq, StepPlan
+from sluice.ipc.vocabulary import SamplingParams
 
 TEXT = ("Paged attention keeps each sequence's keys and values in fixed-size blocks, so the "
         "memory of finished requests can be handed to new ones at once. ") * 3

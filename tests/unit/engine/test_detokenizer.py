@@ -9,7 +9,7 @@ from tokenizers.decoders import DecodeStream
 
 from sluice.actors.text import IncrementalDetokenizer, RequestText
 from sluice.actors.text.detokenizer import ByteLevelStream
-from sluice.ipc.messages import FinishReason
+from sluice.ipc.vocabulary import FinishReason
 
 
 def stream(tokenizer, text: str, stop=()):

@@ -8,7 +8,7 @@ import torch
 
 from sluice.actors.engine import Engine
 from sluice.actors.executor.dtypes import auto_dtype, resolve_dtypes
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 
 
 def test_bfloat16_engine_answers_the_capital_question(smollm_tokenizer):

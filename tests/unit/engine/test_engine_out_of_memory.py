@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = ["The history of the printing press begins", "A short list of rivers in Europe:"]

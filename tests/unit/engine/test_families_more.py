@@ -15,7 +15,7 @@ from sluice.actors.engine import Engine
 from sluice.actors.executor.loader import ModelLoadError, load_weights, read_model_config
 from sluice.actors.executor.model import LlamaModel
 from sluice.actors.executor.runner import ModelRunner
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 
 from support import families
 from support.near_ties import assert_equal_until_near_tie, hf_teacher_forced

@@ -10,7 +10,7 @@ import pytest
 import torch
 from support.near_ties import hf_teacher_forced
 
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 
 NEW_TOKENS = 64
 

@@ -18,7 +18,7 @@ import torch
 from support.near_ties import assert_equal_until_near_tie, hf_teacher_forced
 
 from sluice.actors.engine import Engine
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 
 NEW_TOKENS = 48
 LONG = 32  # at least half of the prompts are compared over this many tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -9,7 +9,7 @@ import torch
 from support.near_ties import assert_equal_until_near_tie, teacher_forced_top2
 
 from sluice.actors.engine import Engine
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 
 PROMPTS = ["The capital of France is", "List three prime numbers: 2, 3,",
            "Once upon a time, in a small village by the sea,", "def add(a, b):\n"]

@@ -11,7 +11,8 @@ import torch
 
 from sluice.actors.executor.model import ModelConfig
 from sluice.actors.executor.runner import ModelRunner
-from sluice.actors.scheduler.plan import SamplingParams, ScheduledSeq, StepPlan
+from sluice.actors.scheduler.plan import ScheduledSeq, StepPlan
+from sluice.ipc.vocabulary import SamplingParams
 
 TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from sluice.actors.executor.sampler import sample
-from sluice.actors.scheduler.plan import InvalidParams, SamplingParams, ScheduledSeq
+from sluice.actors.scheduler.plan import ScheduledSeq
+from sluice.ipc.vocabulary import InvalidParams, SamplingParams
 
 
 def seq(params: SamplingParams, *, seed: int = 7, index: int = 0, prompt=None, output=None):

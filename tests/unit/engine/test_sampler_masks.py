@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from sluice.actors.executor.sampler import reference_sample, sample, unpack_bitmask
-from sluice.actors.scheduler.plan import SamplingParams, ScheduledSeq
+from sluice.actors.scheduler.plan import ScheduledSeq
+from sluice.ipc.vocabulary import SamplingParams
 
 VOCAB = 49152
 WORDS = (VOCAB + 31) // 32

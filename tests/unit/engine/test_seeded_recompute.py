@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 
 TEXT = ("A paged KV cache stores keys and values in fixed-size blocks, so a scheduler can hand "
         "the memory of a finished request to a new one at once and share common prefixes. ")

@@ -25,7 +25,7 @@ from sluice.actors.executor.tensor_parallel import (
     shard_weights,
 )
 from sluice.actors.scheduler import SchedulerConfig
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 
 from support.families import SHAPE, VOCAB, save
 

@@ -12,14 +12,8 @@ from sluice.actors.runtime import reports
 from sluice.actors.runtime.base import Inbox
 from sluice.actors.executor import protocol, worker
 from sluice.actors.runtime.registry import CODEC
-from sluice.actors.scheduler.plan import (
-    RequestOutput,
-    SampledToken,
-    SamplingParams,
-    ScheduledSeq,
-    StepPlan,
-    StepResult,
-)
+from sluice.actors.scheduler.plan import RequestOutput, SampledToken, ScheduledSeq, StepPlan, StepResult
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.ipc import messages as m
 
 SAMPLING = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, seed=3, stop=("END",),

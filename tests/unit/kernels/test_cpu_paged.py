@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from sluice import kernels
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.kernels import cpu_paged, reference
 from sluice.kernels.testing import (
     BatchShape, decode_shape, mixed_shape, parity_grid, random_paged_batch,

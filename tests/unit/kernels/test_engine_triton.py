@@ -2,7 +2,7 @@
 (run by the CPU interpreter) as on the torch path."""
 
 from sluice.actors.engine import Engine
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.kernels import attention, cache
 
 # long enough that its KV spans two blocks of 16, short enough for the interpreter

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sluice.actors.executor.sampler import _race, exponential_noise, race_whole_vocabulary
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.kernels import cpu_paged, race
 from sluice.kernels.race_triton import race_full as triton_race
 from sluice.kernels.race_triton import race_masked as triton_race_masked

@@ -17,7 +17,8 @@ from sluice.actors.scheduler import (
     TooLong,
 )
 from sluice.actors.scheduler.config import ConfigError
-from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
+from sluice.actors.scheduler.plan import SampledToken, StepResult
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.ipc.vocabulary import FinishReason, RejectCode
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from support.scheduler import req, sample_all, step
 
 from sluice.actors.scheduler import Request, RequestState
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 
 
 def run_to_end(sched, limit=500):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig, TenantConfig
 from sluice.actors.scheduler.latency import LatencyLog
-from sluice.actors.scheduler.plan import RequestOutput, SamplingParams
+from sluice.actors.scheduler.plan import RequestOutput
+from sluice.ipc.vocabulary import SamplingParams
 
 
 class Clock:

@@ -12,7 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from support.scheduler import FakeClock
 
 from sluice.actors.scheduler import AdmissionError, Request, Scheduler, SchedulerConfig
-from sluice.actors.scheduler.plan import SampledToken, SamplingParams, StepResult
+from sluice.actors.scheduler.plan import SampledToken, StepResult
+from sluice.ipc.vocabulary import SamplingParams
 
 EOS = 2
 PREFIXES = [list(range(100, 112)), list(range(200, 205))]

@@ -10,7 +10,7 @@ from sluice.actors.scheduler import Request
 from sluice.actors.scheduler.commands import console_detail
 from sluice.actors.scheduler.config import TenantConfig
 from sluice.actors.scheduler.errors import InvalidRequest, Quota
-from sluice.actors.scheduler.plan import SamplingParams
+from sluice.ipc.vocabulary import SamplingParams
 from sluice.daemon.metrics import OTHER_TENANTS, bounded_tenants
 from sluice.ipc.messages import LatencySummary
 from sluice.ipc.vocabulary import FinishReason, RejectCode
