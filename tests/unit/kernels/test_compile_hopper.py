@@ -5,10 +5,9 @@ valid Triton for a GPU (loop-carried types, constexpr branches, layouts, shared 
 GPU is needed to compile, so this runs everywhere, in a subprocess without the interpreter.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
+
+from support.triton_compile import compiled_output
 
 COMPILE_ALL = textwrap.dedent("""
     import triton
@@ -61,9 +60,4 @@ COMPILE_ALL = textwrap.dedent("""
 
 
 def test_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", COMPILE_ALL], capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 9
+    assert compiled_output(COMPILE_ALL).count("compiled") == 9

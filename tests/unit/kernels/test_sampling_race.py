@@ -7,12 +7,12 @@ drew before the op existed."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from support.triton_compile import compiled_output
 
 from sluice.actors.executor.sampler import _race, exponential_noise, race_whole_vocabulary
 from sluice.ipc.vocabulary import SamplingParams
@@ -216,12 +216,7 @@ COMPILE = textwrap.dedent("""
 
 
 def test_triton_kernel_compiles_for_sm90_with_torchs_float_operations():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ptx = done.stdout
+    ptx = compiled_output(COMPILE)
     # torch's CUDA kernels divide correctly rounded and take libdevice's logf: so does this
     assert "div.rn.f32" in ptx and "__nv_logf" in ptx
     for approximate in ("div.full", "div.approx", "lg2.approx", "ex2.approx"):
