@@ -12,7 +12,9 @@ sampler's top-k and top-p rows, their cuts already made in torch.
 
 On CPU the ops are C++ (`csrc/sampling_race_cpu.cpp`, built into one library with the paged
 attention op by `cpu_paged`, so they are available exactly when that is). On CUDA they are
-a Triton kernel (`race_triton`). `SLUICE_FUSED_RACE=off` turns them off: the sampler then
+a Triton kernel (`race_triton`), which has been checked only under Triton's interpreter and
+compiled for sm_90, never run on a GPU: until it has, CUDA runs it only with
+`SLUICE_FUSED_RACE=on`. `SLUICE_FUSED_RACE=off` turns the ops off everywhere: the sampler then
 runs its torch code.
 """
 
@@ -26,19 +28,21 @@ from sluice.kernels import cpu_paged
 
 __all__ = ["DISABLE_ENV", "available", "race_full", "race_masked"]
 
-DISABLE_ENV = "SLUICE_FUSED_RACE"  # "off" (or 0/false/no): the sampler races in torch
+# "off" (or 0/false/no): the sampler races in torch; "on" (or 1/true/yes): on CUDA too
+DISABLE_ENV = "SLUICE_FUSED_RACE"
 
 
-def _disabled_by_env() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("off", "0", "false", "no")
+def _env() -> str:
+    return os.environ.get(DISABLE_ENV, "").strip().lower()
 
 
 def available(device: torch.device) -> bool:
     """Whether `race_full` runs on this device (else the sampler's torch code does)."""
-    if _disabled_by_env():
+    setting = _env()
+    if setting in ("off", "0", "false", "no"):
         return False
-    if device.type == "cuda":
-        return True
+    if device.type == "cuda":  # not yet run on a GPU: asked for by name only
+        return setting in ("on", "1", "true", "yes")
     return device.type == "cpu" and cpu_paged.available()
 
 

@@ -245,3 +245,13 @@ def test_the_real_model_samples_the_tokens_it_sampled_before(make_engine):
     assert race.available(torch.device("cpu"))
     fused = make_engine(num_blocks=64).generate(prompts, settings)
     assert [c.token_ids for c in fused] == [tokens[:6] for tokens in PINNED]
+
+
+def test_the_gpu_race_runs_only_when_asked_for_until_it_has_run_on_a_gpu(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.delenv(race.DISABLE_ENV, raising=False)
+    assert not race.available(cuda)  # the sampler's torch code races on CUDA by default
+    monkeypatch.setenv(race.DISABLE_ENV, "on")
+    assert race.available(cuda)
+    monkeypatch.setenv(race.DISABLE_ENV, "off")
+    assert not race.available(cuda) and not race.available(torch.device("cpu"))
