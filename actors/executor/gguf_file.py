@@ -10,7 +10,8 @@ Versions 2 and 3, little-endian. Malformed input raises `ValueError` naming what
 
 `dequantize` computes Q4_1 and Q8_0 (the embedded model's types) over whole tensors, in
 bounded pieces, with the same float32 operations as the `gguf` package, so the values are
-bit-equal; its row-group loop took twice as long. Other types go to the `gguf` package.
+bit-equal; its row-group loop took twice as long. Other types, the K-quants among them, go to
+the `gguf` package (its Q4_K, Q6_K and Q5_K take 1.3, 2.6 and 3.5 times its Q4_1's time).
 """
 
 from __future__ import annotations
