@@ -314,10 +314,10 @@ def _hf_family_config(raw: dict, model_type: str, config_path: Path) -> ModelCon
     default_head_dim = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}.get(
         model_type, hidden // heads)
     max_positions = int(raw.get("max_position_embeddings", 2048))
-    local_rope_theta = None
+    local_rope_theta, rope_field = None, None
     if model_type == "gemma3_text":
-        raw, local_rope_theta = _gemma3_rope(raw, config_path)
-    rope_theta, rope_scaling = _hf_rope(raw, max_positions, config_path)
+        raw, local_rope_theta, rope_field = _gemma3_rope(raw, config_path)
+    rope_theta, rope_scaling = _hf_rope(raw, max_positions, config_path, model_type, rope_field)
     activation_field = "hidden_activation" if gemma else "hidden_act"
     activation = raw.get(activation_field) or ("gelu_pytorch_tanh" if gemma else "silu")
     if activation not in HF_ACTIVATIONS:
@@ -387,10 +387,11 @@ def _layer_types(raw: dict, model_type: str, layers: int, config_path: Path) -> 
     return tuple(types)
 
 
-def _gemma3_rope(raw: dict, config_path: Path) -> tuple[dict, float]:
+def _gemma3_rope(raw: dict, config_path: Path) -> tuple[dict, float, str | None]:
     """Gemma 3's two rope bases: `rope_parameters` per layer type (newer transformers), or
     rope_theta, rope_scaling and rope_local_base_freq (older). Returns config.json with the
-    full layers' parameters where `_hf_rope` reads them, and the sliding layers' base."""
+    full layers' parameters where `_hf_rope` reads them, the sliding layers' base, and where
+    config.json holds the full layers' parameters when it is not where `_hf_rope` reads."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         local = params.get("sliding_attention") or {}
@@ -400,9 +401,10 @@ def _gemma3_rope(raw: dict, config_path: Path) -> tuple[dict, float]:
                                  f"{kind!r} is not supported (only default)")
         theta = _positive(local.get("rope_theta", 10000.0),
                           "rope_parameters.sliding_attention.rope_theta", config_path)
-        return {**raw, "rope_parameters": params["full_attention"], "rope_scaling": None}, theta
+        return ({**raw, "rope_parameters": params["full_attention"], "rope_scaling": None},
+                theta, "rope_parameters.full_attention")
     return raw, _positive(raw.get("rope_local_base_freq", 10000.0), "rope_local_base_freq",
-                          config_path)
+                          config_path), None
 
 
 def _softcap(raw: dict, name: str, config_path: Path) -> float:
@@ -439,19 +441,30 @@ def _moe_fields(raw: dict, model_type: str, layers: int, config_path: Path) -> d
 HF_ROPE_SCALING_TYPES = tuple(t for t in ROPE_SCALING_TYPES if t != "frequency_divisors")
 
 
-def _hf_rope(raw: dict, max_positions: int, config_path: Path) -> tuple[float, RopeScaling | None]:
+def _hf_rope(raw: dict, max_positions: int, config_path: Path, model_type: str,
+             field: str | None = None) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from config.json, read as transformers reads it: `rope_scaling`
     (older) before `rope_parameters` (newer, which also holds rope_theta), the type spelled
-    `rope_type` or `type`."""
-    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    `rope_type` or `type`; `field` names where config.json holds them when not there."""
+    where = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    params = raw.get(where) or {}
+    field = field or where
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         raise ModelLoadError(f"{config_path}: rope parameters {params!r} are not supported "
                              "(one flat rope_scaling or rope_parameters object is)")
     theta = (params.get("rope_theta") or raw.get("rope_theta")
              or (raw.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+    field += ".rope_type" if params.get("rope_type") else ".type"
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "su":  # Phi-3's first name for longrope, as transformers renames it
         kind = "longrope"
+    if model_type == "phi3" and kind not in ("default", "longrope"):
+        # transformers takes only longrope for Phi-3, and reads a Phi-3 "yarn" as longrope
+        # (short and long factors), not as the yarn of the other families
+        hint = ("; transformers reads a Phi-3 'yarn' as longrope: write 'longrope' if the "
+                "config holds short_factor and long_factor") if kind == "yarn" else ""
+        raise ModelLoadError(f"{config_path}: {field} {kind!r} is not supported for model_type "
+                             f"phi3 (supported: default, longrope, also spelled su{hint})")
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise ModelLoadError(f"{config_path}: partial_rotary_factor {partial!r} is not "
@@ -459,8 +472,8 @@ def _hf_rope(raw: dict, max_positions: int, config_path: Path) -> tuple[float, R
     if kind == "default":
         return _positive(theta, "rope_theta", config_path), None
     if kind not in HF_ROPE_SCALING_TYPES:
-        raise ModelLoadError(f"{config_path}: rope scaling type {kind!r} is not supported "
-                             f"(supported: default, {', '.join(HF_ROPE_SCALING_TYPES)})")
+        raise ModelLoadError(f"{config_path}: rope scaling type {kind!r} ('{field}') is not "
+                             f"supported (supported: default, {', '.join(HF_ROPE_SCALING_TYPES)})")
 
     def number(name: str, default=None) -> float:
         value = params.get(name)

@@ -100,7 +100,8 @@ def write_config(folder, **changes) -> None:
 
 
 @pytest.mark.parametrize("rope, message", [
-    ({"rope_type": "proportional", "factor": 2.0}, r"rope scaling type 'proportional' is not "
+    ({"rope_type": "proportional", "factor": 2.0}, r"rope scaling type 'proportional' \("
+                                                   r"'rope_\w+\.rope_type'\) is not "
                                                    r"supported \(supported: default, linear, "
                                                    r"dynamic, llama3, yarn, longrope\)"),
     ({"type": "su"}, r"longrope rope scaling needs 'original_max_position_embeddings'"),
