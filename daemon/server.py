@@ -92,6 +92,7 @@ class Daemon:
         self._stream_outboxes: dict[str, Outbox] = {}  # drain asks each stream
         # tenants the config file names, so a reload can reset those it no longer names
         self._file_tenants: set[str] = set()
+        self._grammars: GrammarChecks | None = None
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         old, new = raise_fd_limit()  # before anything sizes itself by it (the connection cap)
@@ -109,6 +110,8 @@ class Daemon:
                           self.control, self.http, self.usage):
                 if actor is not None:
                     actor.close()
+            if self._grammars is not None:
+                self._grammars.close()  # its checking processes
 
     async def _run(self, tokenizer, scheduler_inbox: Inbox, task_status: Any) -> None:
         cfg = self.config
@@ -156,10 +159,10 @@ class Daemon:
                                             executor=executor_inbox, inbox=scheduler_inbox,
                                             latency_histograms=cfg.metrics_port is not None)
 
-            # one cache of checked grammars and one pool of threads checking them, for both
+            # one cache of checked grammars and one pool of processes checking them, for both
             # fronts: a ZeroMQ connection's Stream checks its requests' grammars, the HTTP
             # front its own before they reach its stream
-            grammars = GrammarChecks(cfg.limits)
+            grammars = self._grammars = GrammarChecks(cfg.limits)
 
             def make_stream(connection: bytes) -> Stream:
                 return Stream(connection, config=cfg.stream, codec=codec, gateway=gateway_inbox,

@@ -8,8 +8,9 @@ and computes the masks of a whole batch on its own threads without the GIL.
 A request names its grammar by `SamplingParams.grammar_kind` and `.grammar` (its source:
 a JSON schema's text, a regular expression, a JSON list of choices, or a Lark grammar).
 `grammar_source` turns one into llguidance's grammar and `check` says what is wrong with
-one, with no tokenizer: the fronts call it, off their event loop, before a request is sent
-on. `Constraints` is the worker's side: one matcher per constrained request, advanced with
+one, with no tokenizer: the fronts have it called in a separate process (`serve_checks`, which
+they can kill when a check runs past its time limit), before a request is sent on.
+`Constraints` is the worker's side: one matcher per constrained request, advanced with
 each token the request is sampled. The plan carries the end of a constrained request's output
 (its last token) while the worker has its matcher, and all of it where the matcher must be
 rebuilt: after a preemption and recompute, in a worker that restarted and never saw the
@@ -21,21 +22,20 @@ Nothing here imports torch: the fronts use `check`, and the sampler applies the 
 from __future__ import annotations
 
 import json
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import llguidance
 
-from sluice.actors.scheduler.plan import MATCHER_STEPS
+# (the worker's plan module is imported by `Constraints` only: a checking process imports
+# this module and llguidance, nothing of the scheduler)
 
 # JSON written compactly: a flexible whitespace lets a small model spend its tokens on
 # newlines forever, and a compact object is what a client parses anyway
 _JSON_OPTIONS = {"whitespace_flexible": False}
 DEFAULT_CACHED_GRAMMARS = 64
-# a matcher not scheduled for this many steps is dropped: the scheduler sends a request's
-# whole output again (to rebuild it) after fewer
-IDLE_STEPS = 2 * MATCHER_STEPS
 
 
 class GrammarError(ValueError):
@@ -80,6 +80,42 @@ def check(kind: str, text: str) -> None:
         source, None, limits=limits())
     if is_error:
         raise GrammarError(_first_line(messages[0] if messages else ""))
+
+
+def check_error(kind: str, text: str) -> str:
+    """What is wrong with a grammar, "" when nothing is."""
+    try:
+        check(kind, text)
+    except GrammarError as exc:
+        return str(exc) or "invalid grammar"
+    return ""
+
+
+# The checking process's protocol, on its stdin and stdout: it writes READY once it can check;
+# then each request is a 4-byte little-endian length and that many bytes of JSON [kind, text],
+# each answer a length and that many bytes of UTF-8: the grammar's error, empty when it is good.
+READY = b"R"
+
+
+def serve_checks() -> None:
+    """Check grammars for a front until stdin ends (see `READY`). A front runs this in a child
+    process, one check at a time, and kills the process when a check runs past its limit."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon's Ctrl-C is the daemon's
+    requests, answers = sys.stdin.buffer, sys.stdout.buffer
+    answers.write(READY)
+    answers.flush()
+    while len(head := requests.read(4)) == 4:
+        body = requests.read(int.from_bytes(head, "little"))
+        try:
+            kind, text = json.loads(body)
+            error = check_error(kind, text)
+        except Exception as exc:  # noqa: BLE001 - any failure is the grammar's refusal
+            error = f"the grammar could not be checked: {type(exc).__name__}: {exc}"
+        data = error.encode("utf-8", "replace")
+        answers.write(len(data).to_bytes(4, "little") + data)
+        answers.flush()
 
 
 def _first_line(message: str) -> str:
@@ -133,6 +169,11 @@ class Constraints:
         self._cached = cached_grammars
         self._states: dict[str, _State] = {}
         self._step = 0
+        from sluice.actors.scheduler.plan import MATCHER_STEPS
+
+        # a matcher not scheduled for this many steps is dropped: the scheduler sends a
+        # request's whole output again (to rebuild it) after fewer
+        self.idle_steps = 2 * MATCHER_STEPS
 
     @classmethod
     def for_model(cls, model_path, **kwargs) -> Constraints:
@@ -230,6 +271,6 @@ class Constraints:
         if self._step % 16:
             return
         idle = [rid for rid, state in self._states.items()
-                if self._step - state.seen_step > IDLE_STEPS]
+                if self._step - state.seen_step > self.idle_steps]
         for rid in idle:
             del self._states[rid]

@@ -2,8 +2,9 @@
 
 `check_generate` compares a request with the intake `Limits` and returns the `Rejected` the
 client should get (or `None`); the Stream calls it before anything is held for the request.
-`GrammarChecks` says whether the engine can follow a request's grammar, on a worker thread:
-the HTTP front asks it before a request goes on, and so does a ZeroMQ connection's Stream.
+`GrammarChecks` says whether the engine can follow a request's grammar, in a child process
+that is killed when a check runs past its time limit, each tenant's checks one at a time: the
+HTTP front asks it before a request goes on, and so does a ZeroMQ connection's Stream.
 `check_prompt_length` and `check_prompt_form` need the model and are the Tokenizer's to call.
 Sampling ranges are checked by `SamplingParams` as the codec builds it; checks that need the
 daemon's state belong to the actors that own it. See docs/architecture.md, "A token's path".
@@ -11,12 +12,17 @@ daemon's state belong to the actors that own it. See docs/architecture.md, "A to
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+from collections import deque
+from dataclasses import dataclass, field
 
 import trio
 
 from sluice.actors.executor import grammar
-from sluice.actors.front.limits import Limits
+from sluice.actors.front.limits import Limits, clip
 from sluice.ipc import messages as m
 from sluice.ipc.vocabulary import INT64_MAX, InvalidParams, shown
 
@@ -79,46 +85,231 @@ def check_generate(msg: m.Generate, limits: Limits) -> m.Rejected | None:
     return None
 
 
-# grammars checked at once, in the whole daemon: each check holds a core while it runs
-GRAMMAR_CHECK_THREADS = 2
+class GrammarBusy(Exception):
+    """A grammar check refused because its tenant has too many waiting: the request may be sent
+    again later. `limit` names the limit (the field of a `Rejected`)."""
+
+    def __init__(self, message: str, limit: str):
+        super().__init__(message)
+        self.limit = limit
 
 
-def _grammar_error(kind: str, text: str) -> str:
-    """What is wrong with a grammar, "" when nothing is (runs on a worker thread)."""
-    try:
-        grammar.check(kind, text)
-    except grammar.GrammarError as exc:
-        return str(exc) or "invalid grammar"
-    return ""
+# the checking process: this module's interpreter, importing llguidance and nothing else of ours
+_CHECKER = "from sluice.actors.executor.grammar import serve_checks; serve_checks()"
+_START_SECONDS = 30.0  # a checking process that has not started by then is given up
+
+
+class _Checker:
+    """One process checking grammars one at a time (`grammar.serve_checks`): a check past its
+    time limit is ended by killing the process, so nothing of it goes on running."""
+
+    def __init__(self, process: trio.Process):
+        self.process = process
+        self.buffer = bytearray()
+
+    @classmethod
+    async def start(cls) -> _Checker:
+        """A process ready to check (it answered `grammar.READY`); OSError if none starts."""
+        with trio.CancelScope(shield=True):  # a half-started process is never left behind
+            process = await trio.lowlevel.open_process(
+                [sys.executable, "-c", _CHECKER], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE)
+            checker = cls(process)
+            try:
+                with trio.fail_after(_START_SECONDS):
+                    ready = await checker._read(len(grammar.READY))
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+                await checker.kill()
+                raise OSError(f"no process to check grammars could start ({exc})") from None
+            if ready != grammar.READY:
+                await checker.kill()
+                raise OSError("the process started to check grammars said something else")
+        return checker
+
+    async def _read(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            chunk = await self.process.stdout.receive_some(1 << 16)
+            if not chunk:
+                raise OSError("the grammar checking process ended")
+            self.buffer += chunk
+        data = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return data
+
+    async def check(self, kind: str, text: str) -> str:
+        """The grammar's error, "" when it is good."""
+        body = json.dumps([kind, text]).encode()
+        try:
+            await self.process.stdin.send_all(len(body).to_bytes(4, "little") + body)
+            size = int.from_bytes(await self._read(4), "little")
+            return (await self._read(size)).decode("utf-8", "replace")
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise OSError(f"the grammar checking process is gone ({exc})") from None
+
+    async def kill(self) -> None:
+        with trio.CancelScope(shield=True):
+            self.process.kill()
+            for pipe in (self.process.stdin, self.process.stdout):
+                await pipe.aclose()
+            await self.process.wait()  # reaped
+
+    def close(self) -> None:
+        """Kill it without waiting (it is reaped by whoever starts the next subprocess)."""
+        self.process.kill()
+        for pipe in (self.process.stdin, self.process.stdout):
+            pipe.close()
+
+
+@dataclass(eq=False)
+class _Turn:
+    """A check waiting for its tenant's turn and a process."""
+
+    given: trio.Event = field(default_factory=trio.Event)
+    checker: _Checker | None = None  # the idle process it is handed, or None: it starts one
 
 
 class GrammarChecks:
-    """Whether the engine can follow a grammar, shared by the daemon's fronts. A grammar is
-    checked on a worker thread, never on the event loop, by at most `GRAMMAR_CHECK_THREADS` at
-    once; a check that runs past `limits.max_grammar_compile_ms` is a refusal (its thread is
-    left to finish, and holds its place until it does); good and bad grammars are remembered
-    (`limits.max_cached_grammars`), so each is checked once."""
+    """Whether the engine can follow a grammar, shared by the daemon's fronts.
+
+    A grammar not seen before is checked in one of `limits.grammar_check_processes` child
+    processes, never on the event loop, and within `limits.max_grammar_compile_ms` counted
+    from the moment its process starts on it: a check past the limit is a refusal, and its
+    process is killed (a thread could only be abandoned, still running and holding its place)
+    and a new one started on the sender's time. A tenant's checks run one at a time, in its
+    order; the tenants waiting take the free processes in turn. So a tenant sending slow or
+    hostile grammars holds one process and waits behind itself, and a check of another tenant
+    waits for no more than one check of each tenant ahead of it in the turn. Past
+    `limits.max_grammar_checks_waiting` of one tenant's checks waiting, the next is refused
+    (`GrammarBusy`). Good and bad grammars are remembered (`limits.max_cached_grammars`), so
+    each is checked once; one that ran out of time is not, as a retry may find it faster."""
 
     def __init__(self, limits: Limits):
         self.limits = limits
         self.known = grammar.GrammarCache(limits.max_cached_grammars)
-        self.threads = trio.CapacityLimiter(GRAMMAR_CHECK_THREADS)
+        self._idle: list[_Checker] = []
+        self._processes = 0  # processes checking, idle or being started
+        self._running: set[str] = set()  # tenants with a check holding a process
+        # each tenant's checks waiting, in its order; the tenants in turn order (the first one
+        # not running is served next, and goes to the end if it has more waiting)
+        self._waiting: dict[str, deque[_Turn]] = {}
+        self.timed_out = 0  # checks ended at the time limit
 
-    async def problem(self, kind: str, text: str) -> str:
-        """Why a request's grammar is refused, "" when it is not. A grammar seen before is
-        answered at once, without a checkpoint."""
+    async def problem(self, kind: str, text: str, tenant: str = "default") -> str:
+        """Why a request's grammar is refused, "" when it is not; `GrammarBusy` when `tenant`
+        has too many checks waiting. A grammar seen before is answered at once, without a
+        checkpoint."""
         error = self.known.get(kind, text)
         if error is None:
-            limit = self.limits.max_grammar_compile_ms
-            with trio.move_on_after(limit / 1000) as timer:
-                error = await trio.to_thread.run_sync(_grammar_error, kind, text,
-                                                      limiter=self.threads,
-                                                      abandon_on_cancel=True)
-            if timer.cancelled_caught:
+            error = await self._check(kind, text, tenant)
+            if error is None:
                 return (f"checking the grammar took longer than "
-                        f"limits.max_grammar_compile_ms = {limit}")
-            self.known.put(kind, text, error)
+                        f"limits.max_grammar_compile_ms = {self.limits.max_grammar_compile_ms}")
         return f"not a grammar this server can follow: {error}" if error else ""
+
+    def close(self) -> None:
+        """Kill the idle checking processes (those checking end with their requests)."""
+        while self._idle:
+            self._idle.pop().close()
+            self._processes -= 1
+
+    async def _check(self, kind: str, text: str, tenant: str) -> str | None:
+        """The grammar's error ("" for none), or None when its check ran out of time."""
+        checker = await self._turn(tenant)
+        try:
+            known = self.known.get(kind, text)  # checked while this one waited
+            if known is not None:
+                return known
+            if checker is None:
+                checker = await self._start()
+            error: str | None = None
+            died = False
+            with trio.move_on_after(self.limits.max_grammar_compile_ms / 1000):
+                try:
+                    error = await checker.check(kind, text)
+                except OSError:  # the process died on this grammar: the grammar is refused
+                    died = True
+                    error = "checking it ended the process that checked it"
+                finally:
+                    # cut short (out of time, or its request cancelled), or dead
+                    if error is None or died:
+                        doomed, checker = checker, None
+                        await doomed.kill()
+            if error is None:
+                self.timed_out += 1
+                try:  # the next process started on this sender's time, not the next one's
+                    checker = await _Checker.start()
+                except OSError:
+                    pass  # the next check starts one
+                return None
+            self.known.put(kind, text, error)
+            return error
+        finally:
+            self._release(tenant, checker)
+
+    async def _start(self) -> _Checker:
+        try:
+            return await _Checker.start()
+        except OSError as exc:
+            raise GrammarBusy(f"the grammar could not be checked: {exc}",
+                              "grammar_check_processes") from None
+
+    async def _turn(self, tenant: str) -> _Checker | None:
+        """Wait for `tenant`'s turn; then it holds a process: an idle one, or (None) the place
+        of one it starts. `_release` gives it back."""
+        if tenant not in self._running and tenant not in self._waiting and self._free():
+            self._running.add(tenant)
+            return self._take()
+        queue = self._waiting.get(tenant)
+        waiting = 0 if queue is None else len(queue)
+        limit = self.limits.max_grammar_checks_waiting
+        if waiting >= limit:
+            raise GrammarBusy(
+                f"tenant {clip(tenant, self.limits)!r} has {waiting} grammar checks waiting, "
+                f"limits.max_grammar_checks_waiting = {limit}; send it again later",
+                "max_grammar_checks_waiting")
+        turn = _Turn()
+        self._waiting.setdefault(tenant, deque()).append(turn)
+        try:
+            await turn.given.wait()
+        except BaseException:
+            if turn.given.is_set():  # handed a process as it was cancelled
+                self._release(tenant, turn.checker)
+            else:
+                queue = self._waiting[tenant]
+                queue.remove(turn)
+                if not queue:
+                    del self._waiting[tenant]
+            raise
+        return turn.checker
+
+    def _free(self) -> bool:
+        return bool(self._idle) or self._processes < self.limits.grammar_check_processes
+
+    def _take(self) -> _Checker | None:
+        if self._idle:
+            return self._idle.pop()
+        self._processes += 1
+        return None
+
+    def _release(self, tenant: str, checker: _Checker | None) -> None:
+        """`tenant`'s turn ends; its process goes back (None: it has none, its place is free),
+        and the next tenant's check in the turn takes a process."""
+        self._running.discard(tenant)
+        if checker is not None:
+            self._idle.append(checker)
+        else:
+            self._processes -= 1
+        while self._free():
+            tenant = next((t for t in self._waiting if t not in self._running), None)
+            if tenant is None:
+                return
+            queue = self._waiting.pop(tenant)
+            turn = queue.popleft()
+            if queue:
+                self._waiting[tenant] = queue  # the end of the turn
+            self._running.add(tenant)
+            turn.checker = self._take()
+            turn.given.set()
 
 
 def check_prompt_length(msg: m.Generate, max_model_len: int) -> m.Rejected | None:

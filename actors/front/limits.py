@@ -38,8 +38,14 @@ class Limits:
     max_logit_bias: int = 300  # entries of one request's logit_bias
     # bytes of one request's grammar (a JSON schema's text, a regex, the choices, a grammar)
     max_grammar_bytes: int = 64 * 1024
-    # milliseconds a front may spend checking a grammar it has not seen: past it, a 400
+    # milliseconds a check of a grammar not seen before may run, from its start (not from the
+    # request's arrival): past it the check's process is killed and the request gets a 400
     max_grammar_compile_ms: int = 2000
+    # processes checking grammars, for the whole daemon; a tenant's checks run one at a time,
+    # so one tenant's slow grammars hold one process and the others serve the other tenants
+    grammar_check_processes: int = 2
+    # checks of one tenant waiting behind its running one: past it, refused as overloaded
+    max_grammar_checks_waiting: int = 16
     max_cached_grammars: int = 256  # grammars a front (and the worker) keeps built
     max_n: int = 8  # choices of one request
     max_request_id_chars: int = 128
@@ -74,6 +80,9 @@ class Limits:
                 raise ValueError(f"limits.{name}: must be a non-negative integer, got {value!r}")
         if self.peer_recv_hwm < 1:  # a zero high-water mark is no limit at all to ZeroMQ
             raise ValueError(f"limits.peer_recv_hwm: must be at least 1, got {self.peer_recv_hwm}")
+        if self.grammar_check_processes < 1:  # no grammar could ever be checked
+            raise ValueError(f"limits.grammar_check_processes: must be at least 1, got "
+                             f"{self.grammar_check_processes}")
         if self.max_credits < 1:  # no request could ever be sent a chunk
             raise ValueError(f"limits.max_credits: must be at least 1, got {self.max_credits}")
 

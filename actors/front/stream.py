@@ -3,8 +3,8 @@
 It sends a request's chunks within the client's credits (merging what it buffers), pauses and
 resumes the request at its watermarks, ends requests paused past `pause_timeout` and all of a
 connection's requests when it is gone, and makes a request's usage record when its `Finished`
-leaves. A ZeroMQ client's grammar is checked here (`intake.GrammarChecks`, on a worker
-thread) before its request goes on. Everything it says about a request goes to the
+leaves. A ZeroMQ client's grammar is checked here (`intake.GrammarChecks`, in a child
+process) before its request goes on. Everything it says about a request goes to the
 Tokenizer, the one route to the Scheduler. What it says to its client goes to a
 `ClientSink`: one frame per handled message for a ZeroMQ connection, typed messages for an
 HTTP request. A crash ends only its connection's requests (it is supervised as transient).
@@ -24,7 +24,7 @@ import trio
 
 from sluice.actors.runtime import messages as am
 from sluice.actors.runtime.base import Actor, Handler, Outbox, Outboxes
-from sluice.actors.front.intake import GrammarChecks, check_generate
+from sluice.actors.front.intake import GrammarBusy, GrammarChecks, check_generate
 from sluice.actors.front.limits import Limits, clip
 from sluice.actors.usage.records import complete, record, since
 from sluice.ipc import messages as m
@@ -172,10 +172,16 @@ class Stream(Actor):
                                   "max_requests_per_connection"))
             return
         if self.grammars is not None and msg.sampling.constrained:
-            # a grammar not seen before is checked on a thread, within its time limit: this
-            # connection's later messages wait behind it, in order
-            problem = await self.grammars.problem(msg.sampling.grammar_kind,
-                                                  msg.sampling.grammar)
+            # a grammar not seen before is checked in a child process, within its time limit,
+            # after its tenant's earlier checks: this connection's later messages wait behind
+            # it, in order
+            try:
+                problem = await self.grammars.problem(msg.sampling.grammar_kind,
+                                                      msg.sampling.grammar, msg.tenant)
+            except GrammarBusy as busy:
+                self._reject(m.Rejected(msg.request_id, m.RejectCode.OVERLOADED, str(busy),
+                                        busy.limit))
+                return
             if problem:
                 self._reject(m.Rejected(msg.request_id, m.RejectCode.INVALID, problem,
                                         "sampling.grammar"))

@@ -51,7 +51,7 @@ import structlog
 import trio
 import zmq
 
-from sluice.actors.front.intake import GrammarChecks
+from sluice.actors.front.intake import GrammarBusy, GrammarChecks
 from sluice.actors.front.limits import Limits
 from sluice.actors.runtime import messages as am
 from sluice.actors.http import openai_api as api
@@ -462,7 +462,7 @@ class HttpFront(Actor):
                                f"serves {self.model_name!r}{also}", type="not_found_error",
                                param="model", code="model_not_found")
         if request.generate.sampling.constrained:
-            await self._check_grammar(request.generate.sampling, api.grammar_param(body))
+            await self._check_grammar(request.generate, api.grammar_param(body))
         if request.n > 1:
             await self._generate_choices(request, request_id, receive, send)
             return
@@ -521,11 +521,18 @@ class HttpFront(Actor):
             raise ClientGone
         await send_json(send, 200, api.merge_choices(bodies, request_id))
 
-    async def _check_grammar(self, sampling, param: str) -> None:
+    async def _check_grammar(self, generate: m.Generate, param: str) -> None:
         """A 400 naming `param` for a grammar the engine cannot take, or one whose check runs
-        past `limits.max_grammar_compile_ms` (see `GrammarChecks`: on a worker thread, never
-        on the event loop, and each grammar once)."""
-        problem = await self.grammars.problem(sampling.grammar_kind, sampling.grammar)
+        past `limits.max_grammar_compile_ms`; a 429 when the tenant has too many checks waiting
+        (see `GrammarChecks`: in a child process, each tenant's one at a time, each grammar
+        once)."""
+        sampling = generate.sampling
+        try:
+            problem = await self.grammars.problem(sampling.grammar_kind, sampling.grammar,
+                                                  generate.tenant)
+        except GrammarBusy as busy:
+            raise api.ApiError(429, str(busy), type="rate_limit_error", code="overloaded",
+                               retry_after=self.settings.retry_after) from None
         if problem:
             raise api.invalid(param, problem)
 

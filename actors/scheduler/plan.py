@@ -56,7 +56,7 @@ class ScheduledSeq:
 # only its last output id (the matcher has it, or takes it now), so a long output is not sent
 # whole every step; a prefill (a recompute after a preemption or a lost worker) or a request
 # last planned longer ago (its matcher may be dropped: the worker keeps an idle one for
-# `grammar.IDLE_STEPS` of its steps, more than this) carries them all.
+# `grammar.Constraints.idle_steps` of its steps, more than this) carries them all.
 MATCHER_STEPS = 32
 
 
