@@ -168,6 +168,15 @@ class _Turn:
     checker: _Checker | None = None  # the idle process it is handed, or None: it starts one
 
 
+@dataclass(eq=False)
+class _Pending:
+    """A check others with the same grammar wait for."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    answered: bool = False
+    error: str | None = None  # its answer: the error, "" for none, None for out of time
+
+
 class GrammarChecks:
     """Whether the engine can follow a grammar, shared by the daemon's fronts.
 
@@ -180,7 +189,8 @@ class GrammarChecks:
     hostile grammars holds one process and waits behind itself, and a check of another tenant
     waits for no more than one check of each tenant ahead of it in the turn. Past
     `limits.max_grammar_checks_waiting` of one tenant's checks waiting, the next is refused
-    (`GrammarBusy`). Good and bad grammars are remembered (`limits.max_cached_grammars`), so
+    (`GrammarBusy`); a request whose grammar its tenant is checking already waits for that
+    check and holds no place. Good and bad grammars are remembered (`limits.max_cached_grammars`), so
     each is checked once; one that ran out of time is not, as a retry may find it faster."""
 
     def __init__(self, limits: Limits):
@@ -192,6 +202,8 @@ class GrammarChecks:
         # each tenant's checks waiting, in its order; the tenants in turn order (the first one
         # not running is served next, and goes to the end if it has more waiting)
         self._waiting: dict[str, deque[_Turn]] = {}
+        # checks running or waiting, by (tenant, kind, text): one tenant's same grammar once
+        self._pending: dict[tuple[str, str, str], _Pending] = {}
         self.timed_out = 0  # checks ended at the time limit
 
     async def problem(self, kind: str, text: str, tenant: str = "default") -> str:
@@ -200,7 +212,7 @@ class GrammarChecks:
         checkpoint."""
         error = self.known.get(kind, text)
         if error is None:
-            error = await self._check(kind, text, tenant)
+            error = await self._shared_check(kind, text, tenant)
             if error is None:
                 return (f"checking the grammar took longer than "
                         f"limits.max_grammar_compile_ms = {self.limits.max_grammar_compile_ms}")
@@ -211,6 +223,29 @@ class GrammarChecks:
         while self._idle:
             self._idle.pop().close()
             self._processes -= 1
+
+    async def _shared_check(self, kind: str, text: str, tenant: str) -> str | None:
+        """`_check`'s answer. While one runs, the same tenant's requests with the same grammar
+        wait for its answer, in no queue, rather than check it again (a client's burst of
+        requests with one new schema is one check); another tenant's check its own, so as
+        never to wait behind this tenant's turn."""
+        key = (tenant, kind, text)
+        while (pending := self._pending.get(key)) is not None:
+            await pending.done.wait()
+            if pending.answered:
+                return pending.error
+            # it ended unanswered (its request gone, or refused as busy): this one tries
+            known = self.known.get(kind, text)
+            if known is not None:
+                return known
+        pending = self._pending[key] = _Pending()
+        try:
+            pending.error = await self._check(kind, text, tenant)
+            pending.answered = True
+            return pending.error
+        finally:
+            del self._pending[key]
+            pending.done.set()
 
     async def _check(self, kind: str, text: str, tenant: str) -> str | None:
         """The grammar's error ("" for none), or None when its check ran out of time."""

@@ -3,7 +3,8 @@ executor (a grammar's check needs no model), with two tenants: while tenant `a` 
 schemas that take longer to check than `limits.max_grammar_compile_ms`, each of them is
 refused (a 400 naming that limit, or a 429 naming `limits.max_grammar_checks_waiting` once
 `a` has that many checks waiting behind its running one), and tenant `b`'s json_schema
-request is checked in a process of its own and served. KV-checked at the end."""
+requests are checked in a process of their own, once for a burst of them, and served.
+KV-checked at the end."""
 
 from __future__ import annotations
 
@@ -55,16 +56,19 @@ async def test_a_tenant_flooding_slow_schemas_delays_no_other_tenant(null_daemon
                                          messages=[{"role": "user", "content": "hi"}],
                                          response_format=schema_format(PERSON))
 
-    with trio.fail_after(90), ThreadPoolExecutor(9) as pool:
+    with trio.fail_after(90), ThreadPoolExecutor(15) as pool:
         first = pool.submit(a_sends, 0)
         while "a" not in checks._running:  # a's first slow check is running
             await trio.sleep(0.005)
         flood = [pool.submit(a_sends, i) for i in range(1, 9)]
-        served = await trio.to_thread.run_sync(b_sends)
+        # a burst of b's requests with one new schema: one check, which the others wait for
+        # without a place among b's checks waiting
+        burst = [pool.submit(b_sends) for _ in range(6)]
         # (the daemon runs on this event loop: the answers are waited for off it)
+        served = [await trio.to_thread.run_sync(f.result) for f in burst]
         answers = [await trio.to_thread.run_sync(f.result) for f in [first, *flood]]
 
-    assert served.choices[0].finish_reason in ("stop", "length")
+    assert all(c.choices[0].finish_reason in ("stop", "length") for c in served)
     statuses = [answer.status_code for answer in answers]
     for answer in answers:
         if answer.status_code == 400:  # checked, and out of time: its process killed
