@@ -24,7 +24,7 @@ from sluice.actors.executor.dtypes import parse_dtype, resolve_dtypes
 from sluice.actors.executor.loader import load_weights, resolve_model_path
 from sluice.actors.executor.memory import DEFAULT_KV_MEMORY_FRACTION, KVSizing
 from sluice.actors.executor.model import AttentionInputs, LlamaModel, ModelConfig
-from sluice.actors.executor.sampler import sample
+from sluice.actors.executor.sampler import PenaltyIds, sample
 from sluice.actors.scheduler.plan import ScheduledSeq, StepPlan, StepResult
 from sluice.ipc.vocabulary import SamplingParams
 
@@ -61,6 +61,8 @@ class ModelRunner:
         # grammar matchers, made for the first constrained request; set before the profiling
         # step below, which runs like any other
         self._constraints = None
+        # the ids of requests with penalties, kept across steps: their plans carry the end
+        self._penalty_ids = PenaltyIds()
         self._mask_thread: ThreadPoolExecutor | None = None
         model.warm_row_counts(max(1, profile_tokens))  # before sizing: what it keeps counts
         self.kv_sizing: KVSizing | None = None  # how the pool was sized, when it was profiled
@@ -166,6 +168,7 @@ class ModelRunner:
         if not plan.seqs:
             return StepResult(step_id=plan.step_id)
         sampling_seqs = [s for s in plan.seqs if s.sample]
+        self._penalty_ids.fill(sampling_seqs)  # before the masks' thread reads the outputs
         masks = None
         if any(s.sampling.constrained for s in sampling_seqs):
             # the grammar masks are computed on another thread while the forward runs

@@ -23,7 +23,7 @@ import math
 import numpy as np
 import torch
 
-from sluice.actors.scheduler.plan import SampledToken, ScheduledSeq
+from sluice.actors.scheduler.plan import MATCHER_STEPS, SampledToken, ScheduledSeq
 from sluice.kernels import race as fused_race
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) pairs apart
@@ -134,6 +134,61 @@ def apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Ten
         scores -= per_row("frequency_penalty") * counts
         scores -= per_row("presence_penalty") * (counts > 0).to(scores.dtype)
     return scores
+
+
+class PenaltyIds:
+    """The worker's copy of the ids each request with penalties has, so that its plans need
+    not carry them every step. A plan carries a penalized request's prompt and whole output
+    where this copy may lack them (its first sampling step, a recompute after a preemption or
+    a lost worker, a request not planned for `MATCHER_STEPS`), and else only the end of its
+    output: the output ids from index `num_generated - len(output_token_ids)` on. `fill`
+    takes them and gives each sampling sequence its full lists back, for `apply_penalties`.
+    A copy not used for `idle_steps` steps (a request ended, or paused) is dropped."""
+
+    def __init__(self, idle_steps: int = 2 * MATCHER_STEPS):
+        self.idle_steps = idle_steps
+        self._ids: dict[str, tuple[list[int] | None, list[int], int]] = {}
+        self._step = 0
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def fill(self, seqs: list[ScheduledSeq]) -> None:
+        """Complete the prompt and output ids of the penalized ones of `seqs` (the sequences
+        that sample this step) from what this worker kept, and keep what they carry. Taking
+        the same plan twice (a step retried) gives the same lists."""
+        self._step += 1
+        for seq in seqs:
+            if not seq.sampling.has_penalties:
+                continue
+            rid = seq.request_id
+            carried = seq.output_token_ids or []
+            first = seq.num_generated - len(carried)  # the output index of the first carried
+            kept = self._ids.get(rid)
+            prompt = seq.prompt_token_ids
+            if prompt is None and seq.sampling.repetition_penalty != 1.0:
+                if kept is None or kept[0] is None:
+                    raise ValueError(f"request {rid!r}: its plan carries no prompt ids, and "
+                                     f"this worker has none of them")
+                prompt = kept[0]
+            if first == 0:  # carried whole: this copy starts again from it
+                outputs = list(carried)
+            elif kept is None or not 0 < first <= len(kept[1]):
+                raise ValueError(
+                    f"request {rid!r}: its plan carries its output from token {first}, and "
+                    f"this worker has {0 if kept is None else len(kept[1])} of its ids")
+            else:
+                outputs = kept[1]
+                del outputs[first:]
+                outputs.extend(carried)
+            self._ids[rid] = (prompt, outputs, self._step)
+            seq.prompt_token_ids = prompt
+            seq.output_token_ids = outputs
+        if self._step % 16 == 0:
+            idle = [rid for rid, (_, _, seen) in self._ids.items()
+                    if self._step - seen > self.idle_steps]
+            for rid in idle:
+                del self._ids[rid]
 
 
 def _sample_rows(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:

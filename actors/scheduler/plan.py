@@ -44,19 +44,22 @@ class ScheduledSeq:
     # seeded request draws the same tokens alone, in a batch, or after recompute
     num_generated: int = 0
     sampling_seed: int = 0  # the request's seed, or one the core drew for an unseeded one
-    # the prompt's ids, only when the sampling params carry penalties; the output's ids then,
-    # all of them; for a constrained request that samples, the last `num_generated -
-    # len(output_token_ids)` of them (see `MATCHER_STEPS`); else None
+    # only for a sequence that samples with a grammar or penalties (else None): the end of its
+    # output, from index `num_generated - len(output_token_ids)` on (its last id, or all of
+    # them where the worker may lack them: see `MATCHER_STEPS`), and with all of them its
+    # prompt's ids when it has a repetition penalty (else None: the worker has them)
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
 
 
-# A constrained request's output ids rebuild the worker's matcher of it, which takes each token
-# it samples. A decode planned within this many steps of the request's previous plan carries
-# only its last output id (the matcher has it, or takes it now), so a long output is not sent
-# whole every step; a prefill (a recompute after a preemption or a lost worker) or a request
-# last planned longer ago (its matcher may be dropped: the worker keeps an idle one for
-# `grammar.Constraints.idle_steps` of its steps, more than this) carries them all.
+# The worker keeps what a request's ids made of it: the grammar matcher of a constrained
+# request, which takes each token it samples, and the prompt and output ids of one with
+# penalties (`sampler.PenaltyIds`). A decode planned within this many steps of the request's
+# previous plan carries only its last output id (the worker has the others), so a long output
+# is not sent whole every step; a prefill (a recompute after a preemption or a lost worker) or
+# a request last planned longer ago (the worker may have dropped what it kept: it keeps an
+# idle one's for `grammar.Constraints.idle_steps` or `PenaltyIds.idle_steps` of its steps,
+# more than this) carries them all, and the prompt's ids where a repetition penalty needs them.
 MATCHER_STEPS = 32
 
 

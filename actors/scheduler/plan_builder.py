@@ -99,19 +99,21 @@ class PlanBuilder:
     def _place(self, request: Request, token_ids: list[int], start: int, sample: bool, *,
                decode: bool) -> None:
         outputs = request.output_token_ids
-        penalties = request.has_penalties
-        carried = None
-        if penalties:
-            carried = list(outputs)
-        elif sample and request.sampling.constrained:
-            # the worker's matcher takes the ids it lacks (see `plan.MATCHER_STEPS`)
+        prompt = carried = None
+        if sample and (request.has_penalties or request.sampling.constrained):
+            # the worker keeps a request's ids (its grammar matcher, its penalties' ids) and
+            # takes the ones it lacks from the end of the output (see `plan.MATCHER_STEPS`)
             recent = 0 <= request.scheduled_step and (
                 self.step_id - request.scheduled_step <= MATCHER_STEPS)
-            carried = outputs[-1:] if decode and recent else list(outputs)
+            if decode and recent and outputs:
+                carried = outputs[-1:]
+            else:
+                carried = list(outputs)
+                if request.sampling.repetition_penalty != 1.0:
+                    prompt = request.prompt_token_ids
         self.seqs[request.request_id] = ScheduledSeq(
             request.request_id, token_ids, start, request.block_ids, sample, request.sampling,
-            len(outputs), request.sampling_seed,
-            request.prompt_token_ids if penalties else None, carried,
+            len(outputs), request.sampling_seed, prompt, carried,
         )
         request.scheduled_step = self.step_id
         request.last_chunk_was_decode = decode

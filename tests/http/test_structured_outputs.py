@@ -102,15 +102,18 @@ async def test_streamed_and_whole_agree_and_other_grammars_hold(model_daemon) ->
 
 
 async def test_the_constraint_holds_across_a_worker_kill(model_daemon) -> None:
-    """Greedy and float32: the request recomputed in a new worker, its matcher rebuilt from
-    the tokens it had, ends exactly as the uninterrupted one did."""
+    """Greedy and float32: the request recomputed in a new worker, its matcher and its
+    penalties' ids rebuilt from the tokens it had, ends exactly as the uninterrupted one did."""
     client = client_for(model_daemon)
     model = (await trio.to_thread.run_sync(client.models.list)).data[0].id
     before = await model_daemon.status()
+    # the worker keeps a penalized request's ids; the new one is sent them all again
+    penalties = {"frequency_penalty": 0.3, "extra_body": {"repetition_penalty": 1.2}}
 
     def whole():
         return client.chat.completions.create(model=model, messages=ASK, max_tokens=40,
-                                              temperature=0, response_format=PERSON_FORMAT)
+                                              temperature=0, response_format=PERSON_FORMAT,
+                                              **penalties)
 
     first_chunk = trio.Event()
     token = trio.lowlevel.current_trio_token()
@@ -119,7 +122,8 @@ async def test_the_constraint_holds_across_a_worker_kill(model_daemon) -> None:
         parts = []
         for event in client.chat.completions.create(model=model, messages=ASK, max_tokens=40,
                                                     temperature=0, stream=True,
-                                                    response_format=PERSON_FORMAT):
+                                                    response_format=PERSON_FORMAT,
+                                                    **penalties):
             if event.choices and event.choices[0].delta.content:
                 parts.append(event.choices[0].delta.content)
                 if len(parts) == 3:
