@@ -89,7 +89,8 @@ class Engine:
         config = dataclasses.replace(config, kv_blocks=runner.num_blocks,
                                      block_size=runner.block_size)
         self.scheduler = Scheduler(config, eos_token_ids=self.tokenizer.eos_token_ids,
-                                   max_model_len=runner.max_model_len)
+                                   max_model_len=runner.max_model_len,
+                                   kv_window=runner.config.kv_window)
         self.step_budget = StepBudget.for_config(self.scheduler.config)
         self._tracked: dict[str, _Tracked] = {}
         self._awaited: set[str] = set()  # requests a generate() call waits for

@@ -144,7 +144,7 @@ class Daemon:
 
             def make_core() -> Scheduler:
                 return Scheduler(core_config, eos_token_ids=tokenizer.eos_token_ids,
-                                 max_model_len=max_model_len)
+                                 max_model_len=max_model_len, kv_window=facts.kv_window)
 
             self.usage = UsageLog(cfg.usage.path, limits=cfg.limits)
             usage_inbox = self._inboxes["usage"] = self.usage.inbox

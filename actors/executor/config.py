@@ -105,6 +105,13 @@ class ModelConfig:
             return 0
         return self.sliding_window
 
+    @property
+    def kv_window(self) -> int:
+        """The window every layer slides within (0 when some layer attends to all its keys):
+        KV blocks behind it are never read again, and the scheduler gives them back."""
+        windows = [self.layer_window(layer) for layer in range(self.num_layers)]
+        return 0 if 0 in windows else max(windows)
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 

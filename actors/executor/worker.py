@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                  blocks=kv.num_blocks, device=args.device)
     sock.send(encode(Hello(os.getpid(), WorkerFacts(
         runner.num_blocks, runner.block_size, runner.max_model_len, runner.config.vocab_size,
-        dtype_name(runner.model.dtype), dtype_name(runner.model.kv_dtype)))))
+        dtype_name(runner.model.dtype), dtype_name(runner.model.kv_dtype),
+        runner.config.kv_window))))
     while True:
         msg = decode(sock.recv())
         try:

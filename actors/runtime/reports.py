@@ -26,6 +26,9 @@ class WorkerFacts:
     vocab_size: int
     dtype: str = ""  # what the worker resolved `auto` to, e.g. "bfloat16"
     kv_dtype: str = ""
+    # the attention window of a model whose every layer has one (0: none): the scheduler
+    # gives back the KV blocks behind it
+    kv_window: int = 0
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ def reconcile(
     for rid in [rid for rid in core.requests if _connection_gone(rid, connections)]:
         request = core.requests[rid]
         findings.append(f"request {rid} ({request.state.value}, "
-                        f"{len(request.block_ids)} blocks) has no live connection: released")
+                        f"{len(request.held_block_ids)} blocks) has no live connection: released")
         out = core.abort(rid, m.FinishReason.CANCELLED)
         if out is not None:
             outputs.append(out)
@@ -155,7 +155,7 @@ def console_detail(core: Scheduler, *, latency: m.LatencySummary,
         other_tenants=m.TenantTotals(**stats["other_tenants"]),
         requests=tuple(
             m.RequestRow(r.request_id, r.tenant, r.state.value, now - (r.arrival_time or now),
-                         r.num_prompt_tokens, r.num_output_tokens, len(r.block_ids),
+                         r.num_prompt_tokens, r.num_output_tokens, len(r.held_block_ids),
                          r.state is RequestState.PAUSED)
             for r in itertools.islice(core.requests.values(), max_requests)),
         latency=latency,

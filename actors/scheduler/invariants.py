@@ -28,7 +28,7 @@ def block_owners(requests: Iterable[Request]) -> Counter[int]:
     """How many of `requests` list each block."""
     owners: Counter[int] = Counter()
     for request in requests:
-        owners.update(request.block_ids)
+        owners.update(request.held_block_ids)
     return owners
 
 
@@ -40,9 +40,16 @@ def check_invariants(table: RequestTable, kv_cache: KVCacheManager, ledger: Tena
     problems: list[str] = []
     actual: dict[str, list[int]] = {}  # tenant -> [live, waiting, running]
     for rid, request in requests.items():
-        state, blocks = request.state, request.block_ids
-        if len(set(blocks)) != len(blocks):
+        state, blocks, held = request.state, request.block_ids, request.held_block_ids
+        if len(set(held)) != len(held):
             problems.append(f"{rid} lists a block twice: {blocks}")
+        unseen = request.num_unseen_blocks
+        if unseen and (not kv_cache.window or blocks[:unseen] != [blocks[unseen]] * unseen
+                       or unseen > max(0, request.num_computed_tokens - kv_cache.window + 1)
+                       // kv_cache.block_size):
+            problems.append(f"{rid} gave back {unseen} blocks its window may still see "
+                            f"(window {kv_cache.window}, {request.num_computed_tokens} "
+                            f"computed tokens) or does not stand in for them: {blocks}")
         expected = kv_cache.blocks_for(request.num_computed_tokens)
         if len(blocks) != expected:
             problems.append(

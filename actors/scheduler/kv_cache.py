@@ -7,6 +7,13 @@ are keyed by a hash chain of their tokens that starts from the tenant's salt (`p
 so one tenant's prompt never matches blocks another tenant computed. This module reads a
 request's tokens and block table to match and register its prefix, and counts lookups and hits
 for the stats; which request holds which block, and when, is the scheduler's (`scheduler.py`).
+
+With a `window` (a model whose every layer attends only to the last `window` keys), the
+blocks of a running request that no later query can see are given back as it goes
+(`free_unseen`): a long generation holds about window / block_size blocks, not its whole
+length. A block given back keeps its prefix-cache entry if it has one: it still holds those
+tokens at those positions, so another request starting with them may take it (or the pool
+evicts it like any cached block).
 """
 
 from __future__ import annotations
@@ -51,11 +58,15 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         high_watermark: float = 1.0,
         low_watermark: float = 1.0,
+        window: int = 0,
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        if window < 0:
+            raise ValueError("window must be >= 0 (0: attention sees every key)")
         self.num_total_blocks = num_blocks
         self.block_size = block_size
+        self.window = window  # keys a query sees back to, itself included; 0: all of them
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
@@ -129,16 +140,37 @@ class KVCacheManager:
     def trim_to_computed(self, request: Request) -> None:
         """Give back the blocks past those the request's computed tokens fill (taken for a
         step that did not run)."""
-        keep = self.blocks_for(request.num_computed_tokens)
+        keep = self.blocks_for(request.num_computed_tokens)  # past its unseen blocks
         if len(request.block_ids) > keep:
             self.free(request.block_ids[keep:])
             request.block_ids = request.block_ids[:keep]  # a new list, as in `release`
 
+    def free_unseen(self, request: Request) -> None:
+        """Give back the request's blocks that no query of it will attend to again: its next
+        query sits at position `num_computed_tokens` and sees keys after it less the window.
+        Their table entries stay (a block's index is its place in the sequence), standing in
+        with the first block it keeps: the attention kernels never read keys before a
+        query's window, and a read of one would be of the request's own finite values,
+        masked."""
+        if not self.window:
+            return
+        unseen = max(0, request.num_computed_tokens - self.window + 1) // self.block_size
+        unseen = min(unseen, len(request.block_ids) - 1)  # one stays, to stand in
+        freed = request.num_unseen_blocks
+        if unseen <= freed:
+            return
+        table = request.block_ids
+        self.free(table[freed:unseen])
+        request.block_ids = table = list(table)  # a new list: plans handed out keep theirs
+        table[:unseen] = [table[unseen]] * unseen
+        request.num_unseen_blocks = unseen
+
     def release(self, request: Request, *, free: bool = True) -> None:
         """Take the request's blocks and reservation back (`free=False`: the pool is gone)."""
         if free and request.block_ids:
-            self.free(request.block_ids)
+            self.free(request.held_block_ids)
         request.block_ids = []  # a new list: plans already handed out keep their tables
+        request.num_unseen_blocks = 0
         self.reserved_blocks -= request.reserved_blocks
         request.reserved_blocks = 0
 

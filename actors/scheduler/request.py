@@ -55,7 +55,11 @@ class Request:
     # prompt followed by output: the tokens the KV must catch up with
     all_token_ids: list[int] = field(default_factory=list, init=False)
     num_computed_tokens: int = field(default=0, init=False)
+    # its block table: entry i holds tokens i * block_size onwards; the first
+    # `num_unseen_blocks` went back to the pool (no attention window sees them again, see
+    # `KVCacheManager.free_unseen`) and only stand in for them, so `held_block_ids` are its own
     block_ids: list[int] = field(default_factory=list, init=False)
+    num_unseen_blocks: int = field(default=0, init=False)
     # hash chain of this request's full blocks, computed as far as known
     block_hashes: list[bytes] = field(default_factory=list, init=False)
     num_cached_tokens: int = field(default=0, init=False)  # prompt tokens from the prefix cache
@@ -99,6 +103,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def held_block_ids(self) -> list[int]:
+        """The blocks it references: its table less the entries given back to the pool."""
+        return self.block_ids[self.num_unseen_blocks:] if self.num_unseen_blocks else self.block_ids
 
     @property
     def num_output_tokens(self) -> int:

@@ -41,8 +41,11 @@ class Scheduler:
         *,
         eos_token_ids: frozenset[int] = frozenset(),
         max_model_len: int = 2048,
+        kv_window: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """`kv_window`: the model's attention window when every layer has one (0: none), the
+        keys a query sees back to; KV blocks behind it are given back as requests run."""
         config = config or SchedulerConfig()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
@@ -50,6 +53,7 @@ class Scheduler:
         self.kv_cache = KVCacheManager(
             config.kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             high_watermark=config.kv_high_watermark, low_watermark=config.kv_low_watermark,
+            window=kv_window,
         )
         self.policy = make_policy(config)
         self.ledger = TenantLedger(config, self.policy.on_tenant_active, clock)
@@ -225,6 +229,9 @@ class Scheduler:
                 ledger.charge_prefill(tenant, end - start - recomputed, recomputed)
             if end // size > start // size:
                 kv.register_computed(request, start, end, tenant.config)
+            if kv.window:  # the blocks its window has moved past go back to the pool
+                ledger.charge_kv(request, now)
+                kv.free_unseen(request)
             if not seq.sample:
                 if end >= len(request.all_token_ids):
                     self.table.prefill_done(request, now)

@@ -259,7 +259,7 @@ class TenantLedger:
     def charge_kv(self, request: Request, now: float) -> None:
         """Add the block-seconds of the blocks held since the last change to the request's cost."""
         if request.block_ids:
-            cost = len(request.block_ids) * (now - request.kv_since)
+            cost = len(request.held_block_ids) * (now - request.kv_since)
             request.kv_block_seconds += cost
             self.tenants[request.tenant].usage.kv_block_seconds += cost
         request.kv_since = now

@@ -137,7 +137,8 @@ class KVCaps:
         cap = self.limits(name).max_kv_blocks
         if cap is None:
             return None
-        return cap - sum(len(r.block_ids) for r in self.requests.values() if r.tenant == name)
+        return cap - sum(len(r.held_block_ids) for r in self.requests.values()
+                         if r.tenant == name)
 
     def fits_prompt(self, request: Request) -> bool:
         room = self.room(request.tenant)
