@@ -66,11 +66,13 @@ def test_k_quants_are_dequantized_bit_equal_to_the_gguf_package(tmp_path, kind) 
         assert 0 < np.abs(ours).max() < 0.2  # the scales were read where the type keeps them
 
 
-def write_k_quant_llama(reference, path) -> dict[str, GGMLQuantizationType]:
-    """The reference's shape as llama.cpp's converter writes a Llama GGUF, every matrix a
-    K-quant of random bytes (the three types in turn), norms in float32; returns each
-    matrix's type."""
-    cfg = reference.config
+def write_k_quant_llama(cfg, path) -> dict[str, GGMLQuantizationType]:
+    """A Llama of `cfg`'s shape as llama.cpp's converter writes its GGUF, every matrix a
+    K-quant of random bytes (the three types in turn), norms of ones in float32; returns
+    each matrix's type."""
+    with torch.device("meta"):  # the names and shapes alone
+        shapes = {name: tuple(t.shape)
+                  for name, t in transformers.LlamaForCausalLM(cfg).state_dict().items()}
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     writer = GGUFWriter(str(path), "llama")
     writer.add_context_length(cfg.max_position_embeddings)
@@ -85,18 +87,18 @@ def write_k_quant_llama(reference, path) -> dict[str, GGMLQuantizationType]:
     writer.add_vocab_size(cfg.vocab_size)
     rng = np.random.default_rng(0)
     kinds = {}
-    for name, tensor in reference.state_dict().items():
+    for name, shape in shapes.items():
         if name in GGUF_NAMES:
             ours = GGUF_NAMES[name]
         else:
             index, rest = name.removeprefix("model.layers.").split(".", 1)
             module, part = rest.rsplit(".", 1)
             ours = f"blk.{index}.{GGUF_LAYER_NAMES[module]}.{part}"
-        if tensor.dim() == 1:
-            writer.add_tensor(ours, tensor.numpy().astype(np.float32))
+        if len(shape) == 1:
+            writer.add_tensor(ours, np.ones(shape, np.float32))
             continue
         kind = kinds[ours] = K_QUANTS[len(kinds) % len(K_QUANTS)]
-        writer.add_tensor(ours, k_quant_blocks(rng, *tensor.shape, kind), raw_dtype=kind)
+        writer.add_tensor(ours, k_quant_blocks(rng, *shape, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -112,7 +114,7 @@ def test_a_k_quant_model_loads_and_generates_as_transformers_reads_it(tmp_path,
     shape = dict(families.SHAPE, hidden_size=256, intermediate_size=512)
     config = transformers.LlamaConfig(rope_theta=5000.0, max_position_embeddings=128, **shape)
     path = tmp_path / "kquants.gguf"
-    kinds = write_k_quant_llama(transformers.LlamaForCausalLM(config), path)
+    kinds = write_k_quant_llama(config, path)
     assert set(kinds.values()) == set(K_QUANTS)
     from_file = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=path.name, config=config, dtype=torch.float32).eval()
@@ -125,7 +127,6 @@ def test_a_k_quant_model_loads_and_generates_as_transformers_reads_it(tmp_path,
                                 kinds["blk.0.ffn_down.weight"])
     assert torch.equal(weights["layers.0.down_proj"], torch.from_numpy(down))
     vocab = config.vocab_size
-    prompts = [[(7 * i + 3) % vocab for i in range(40)], [(11 * i + 5) % vocab for i in range(9)],
-               [(13 * i + 1) % vocab for i in range(23)]]
+    prompts = [[(7 * i + 3) % vocab for i in range(40)], [(11 * i + 5) % vocab for i in range(9)]]
     families.assert_matches_transformers(from_file, path, smollm_tokenizer, prompts,
-                                         new_tokens=24, chunk=16)
+                                         new_tokens=8, chunk=16)
