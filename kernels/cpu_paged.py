@@ -14,6 +14,11 @@ head_dim 64): decodes, and chunks of up to `MAX_IN_PLACE_QUERY` tokens, read the
 chunks keep the reference's gather + SDPA: SDPA's tiled GEMMs beat this per-row loop by 2-3x
 there, and a chunk's gather is paid once for all its query tokens, not once per token as a
 decode's is.
+
+`fixed_order=True` (the engine's deterministic mode) sends every chunk, however long, through
+the op and has it sum every row's scores the same way: a query row's output then depends only
+on its own query and the keys it sees, not on the batch, the chunk it came in or whether its
+prefix was cached.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ log = structlog.get_logger("sluice.kernels")
 DISABLE_ENV = "SLUICE_CPU_PAGED"  # "off" (or 0/false/no): behave as if the build failed
 # query tokens up to which a chunk reads the pool in place; past about 8 gather + SDPA wins
 MAX_IN_PLACE_QUERY = 4
+FIXED_ORDER_ALL_IN_PLACE = 1 << 30  # max_in_place_query of `fixed_order`: every chunk
 STALE_LOCK_SECONDS = 600.0  # a build takes well under a minute; ten is a dead builder
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
 # built into the same library: the sampler's full-vocabulary race (`sluice.kernels.race`)
@@ -159,14 +165,23 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float,
                     max_in_place_query: int = MAX_IN_PLACE_QUERY, *, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, fixed_order: bool = False) -> torch.Tensor:
     """`reference.paged_attention`, reading the pool in place for every sequence with at most
     `max_in_place_query` query tokens; needs `available()`. With a `window` the op visits
-    only the blocks inside it: a windowed decode costs O(window), whatever its context."""
+    only the blocks inside it: a windowed decode costs O(window), whatever its context.
+    `fixed_order`: every sequence in place, each row reduced in one order (see above)."""
     checks.check_window_and_softcap(window, softcap)
     op = _load()
     if op is None:
         raise RuntimeError(f"cpu paged attention is unavailable: {_reason}")
+    if fixed_order:
+        max_in_place_query = FIXED_ORDER_ALL_IN_PLACE
+        if query.dtype != key_cache.dtype:
+            # the op reads one dtype: the query in the pool's, as the reference's SDPA takes it
+            return paged_attention(query.to(key_cache.dtype), key_cache, value_cache,
+                                   block_tables, query_start_loc, seq_lens, scale,
+                                   window=window, softcap=softcap,
+                                   fixed_order=True).to(query.dtype)
     if not query.dtype == key_cache.dtype == value_cache.dtype:
         # the op reads one dtype; a mixed call is rare enough to leave to the reference
         return reference.paged_attention(query, key_cache, value_cache, block_tables,
@@ -176,7 +191,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     out = torch.empty_like(query)
     op(out, query, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
        query_start_loc.to(torch.int32), seq_lens.to(torch.int32), float(scale), int(window),
-       float(softcap), int(max_in_place_query))
+       float(softcap), int(max_in_place_query), bool(fixed_order))
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
     block_size = key_cache.shape[1]

@@ -167,3 +167,50 @@ def _capped_attention(q, keys, values, mask, scale, softcap) -> torch.Tensor:
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(q.dtype)
+
+
+def paged_attention_fixed_order(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """`paged_attention` with each query token attended on its own, over exactly the keys it
+    sees, in float32: no batched or padded call whose shape (and so reduction order) follows
+    the other sequences of the step or the chunk the token came in, so a token's output
+    depends only on its query and its keys. The deterministic mode's attention where the CPU
+    op cannot be built; slow (a few small ops per query token), never the default."""
+    check_window_and_softcap(window, softcap)
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    block_size = key_cache.shape[1]
+    kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    group = query.shape[1] // kv_heads
+    for i, ctx_len in enumerate(lengths):
+        q_len = starts[i + 1] - starts[i]
+        if q_len == 0:
+            continue
+        ids = block_tables[i, :-(-ctx_len // block_size)].long()
+        # [kv_heads, ctx, head_dim] in float32: copies of the pool's values, exact
+        keys = _gather(key_cache, ids)[:ctx_len].transpose(0, 1).float()
+        values = _gather(value_cache, ids)[:ctx_len].transpose(0, 1).float()
+        for t in range(q_len):
+            pos = ctx_len - q_len + t
+            lo = max(0, pos - window + 1) if window else 0
+            q = query[starts[i] + t].to(key_cache.dtype).float().view(kv_heads, group, 1,
+                                                                       head_dim)
+            k = keys[:, None, lo:pos + 1]  # [kv_heads, 1, L, head_dim]
+            scores = (q * scale * k).sum(-1)  # [kv_heads, group, L]
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            probs = torch.softmax(scores, dim=-1)
+            attended = (probs[..., None] * values[:, None, lo:pos + 1]).sum(-2)
+            out[starts[i] + t] = attended.reshape(-1, head_dim).to(out.dtype)
+    return out

@@ -10,6 +10,13 @@
 // before the item's earliest window are never visited: a windowed decode costs O(window), not
 // O(context). A soft cap bends each block's scores before the softmax. Work items are handed out dynamically from an atomic counter, largest
 // first, because decodes and long chunks differ in cost by orders of magnitude.
+//
+// Each row's result depends only on its own query and the keys it sees, whatever else is in
+// the call: blocks are visited in the same order and split at the same positions for every
+// row. The one exception is how its scores are summed (one horizontal sum per key, or K
+// transposed with one FMA per dimension), which by default follows the item's row count;
+// `fixed_order` always takes the transposed sum, so a row's bits no longer depend on how its
+// sequence was chunked or on its GQA group's size (the engine's deterministic mode).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -151,7 +158,7 @@ template <typename scalar_t, bool kWindowOrCap>
 void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
                  const scalar_t* key_cache, const scalar_t* value_cache, const int32_t* tables,
                  const int32_t* query_start, const int32_t* seq_lens, float scale,
-                 int64_t window, float softcap, scalar_t* out, Scratch& s) {
+                 int64_t window, float softcap, bool fixed_order, scalar_t* out, Scratch& s) {
   const int64_t D = l.head_dim, B = l.block_size;
   const int64_t q_len = query_start[item.seq + 1] - query_start[item.seq];
   const int64_t ctx_len = seq_lens[item.seq];
@@ -203,7 +210,7 @@ void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
     }
     // with many rows per block, scores come from K transposed to [D, B]: one vector of B
     // scores per row is D broadcast FMAs, with no horizontal sum per key
-    const bool transposed = rows >= kTransposeRows;
+    const bool transposed = fixed_order || rows >= kTransposeRows;
     if (transposed) {
       for (int64_t j = first_needed; j < keys_here; ++j) {
         for (int64_t d = 0; d < D; ++d) s.keys_t[d * s.padded_block + j] = keys[j * stride + d];
@@ -249,7 +256,7 @@ void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Ten
                           const at::Tensor& value_cache, const at::Tensor& block_tables,
                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                           double scale, int64_t window, double softcap,
-                          int64_t max_query_len) {
+                          int64_t max_query_len, bool fixed_order) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T,H,D], caches [N,B,KVH,D]");
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && block_tables.is_contiguous(),
@@ -321,10 +328,11 @@ void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Ten
           if (window_or_cap) {
             attend_item<scalar_t, true>(items[i], layout, q, k, v, tables, starts, lengths,
                                         static_cast<float>(scale), window,
-                                        static_cast<float>(softcap), o, scratch);
+                                        static_cast<float>(softcap), fixed_order, o, scratch);
           } else {
             attend_item<scalar_t, false>(items[i], layout, q, k, v, tables, starts, lengths,
-                                         static_cast<float>(scale), 0, 0.0f, o, scratch);
+                                         static_cast<float>(scale), 0, 0.0f, fixed_order, o,
+                                         scratch);
           }
         }
       }
@@ -337,7 +345,7 @@ void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Ten
 TORCH_LIBRARY(sluice_cpu, m) {
   m.def("paged_attention_into(Tensor(a!) out, Tensor query, Tensor key_cache, "
         "Tensor value_cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
-        "float scale, int window, float softcap, int max_query_len) -> ()");
+        "float scale, int window, float softcap, int max_query_len, bool fixed_order=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
