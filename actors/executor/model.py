@@ -11,6 +11,18 @@ loading lives in `loader.py`, batching in `runner.py`, rotary tables (with their
 Weights run in the model dtype (the KV pool may have its own); the residual add and RMSNorm
 are one function and rotary covers q and k in one pass, both computed in float32 with the
 reference implementation's expressions, so float32 output matches it exactly.
+
+In the deterministic mode (`use_deterministic`) a token's hidden states and logits depend only
+on its own context, never on what else is in the step, how its prompt was chunked or whether
+its prefix came from the cache, so greedy output is the same whichever way a request is
+served. What varies otherwise is the reduction order of two things: the matmuls (the BLAS
+picks its kernel and blocking by the row count, e.g. a matrix-vector kernel for one row) and
+attention (the CPU op sums scores one way or another by its rows per item; long chunks take
+gather + SDPA). The mode runs every matmul in tiles of exactly `DETERMINISTIC_ROWS` rows (the
+last one padded), where a row's result was measured to depend on nothing but that row, and
+attention in its fixed-order mode (see `sluice.kernels`). Norms, rotary, activations and
+the residual adds are per row already. It costs compute: a step of one row runs its matmuls
+at `DETERMINISTIC_ROWS` rows.
 """
 
 from __future__ import annotations
@@ -24,6 +36,10 @@ from sluice import kernels
 from sluice.actors.executor.config import ModelConfig  # noqa: F401 (its home before config.py)
 from sluice.actors.executor.moe import MoEMLP
 from sluice.actors.executor.rotary import rotary_tables
+
+# rows of every matmul tile in the deterministic mode: one kernel shape for every matmul a
+# layer runs, whatever the step's size; small enough that a lone decode pads to little
+DETERMINISTIC_ROWS = 16
 
 
 @dataclass
@@ -110,10 +126,25 @@ class LlamaModel:
         # memory grows for as long as new step sizes turn up. Rows padded to a few sizes per
         # octave (at most 1/16 more work) bound what it keeps; `warm_row_counts` fills it.
         self.pads_rows = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+        self.deterministic = False  # see `use_deterministic`
+        self._linear = F.linear
         # where the ranks of a tensor-parallel group meet (see tensor_parallel.py): the sum of
         # their o_proj and down outputs, and the logits of every rank's vocabulary rows
         self.all_reduce = _identity
         self.gather_logits = _identity
+
+    def use_deterministic(self, on: bool = True) -> None:
+        """Turn the deterministic mode on or off (see the module's docstring): every matmul in
+        fixed row tiles, attention in its fixed-order mode. CPU only: the Triton kernel has no
+        fixed-order mode yet."""
+        if on and self.device.type != "cpu":
+            raise ValueError(f"the deterministic mode runs on the CPU only, not on "
+                             f"{self.device.type}")
+        self.deterministic = bool(on)
+        self._linear = _tiled_linear if on else F.linear
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.linear = self._linear
 
     def limit_positions(self, positions: int) -> None:
         """Serve sequences of at most `positions` tokens: the rotary tables cover only those,
@@ -174,6 +205,7 @@ class LlamaModel:
         cfg = self.config
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
+        linear = self._linear
         rows = input_ids.shape[0]
         pad = self.padded_rows(rows) - rows
         if pad:  # padding rows: token 0 at position 0, never attended to or written to KV
@@ -187,7 +219,7 @@ class LlamaModel:
         residual = None
         for layer, (key_cache, value_cache) in zip(self.layers, kv_pool):
             normed, residual = _add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
+            qkv = linear(normed, layer.qkv, layer.qkv_bias)
             # q and k sit side by side in qkv's rows: one norm and one rotary pass over both
             qk = qkv[:, :q_size + kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             if layer.qk_norm is not None:
@@ -199,19 +231,19 @@ class LlamaModel:
             attended = kernels.paged_attention(
                 q.contiguous(), key_cache, value_cache, attn.block_tables,
                 attn.query_start_loc, attn.seq_lens, self.scale, window=layer.window,
-                softcap=cfg.attn_softcap,
+                softcap=cfg.attn_softcap, fixed_order=self.deterministic,
             )
             attended = attended.view(-1, q_size)
-            hidden = self.all_reduce(F.linear(F.pad(attended, (0, 0, 0, pad)) if pad
-                                              else attended, layer.o_proj))
+            hidden = self.all_reduce(linear(F.pad(attended, (0, 0, 0, pad)) if pad
+                                            else attended, layer.o_proj))
             if layer.attn_out_norm is not None:
                 hidden, _ = _add_rms_norm(hidden, None, layer.attn_out_norm, cfg.rms_norm_eps)
             normed, residual = _add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             if layer.moe is not None:
                 hidden = layer.moe(normed)
             else:
-                gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
-                hidden = F.linear(self.activation(gate) * up, layer.down)
+                gate, up = linear(normed, layer.gate_up).chunk(2, dim=-1)
+                hidden = linear(self.activation(gate) * up, layer.down)
             hidden = self.all_reduce(hidden)
             if layer.mlp_out_norm is not None:
                 hidden, _ = _add_rms_norm(hidden, None, layer.mlp_out_norm, cfg.rms_norm_eps)
@@ -224,14 +256,17 @@ class LlamaModel:
         pad = self.padded_rows(rows) - rows
         if pad:
             hidden = F.pad(hidden, (0, 0, 0, pad))
-        logits = self.gather_logits(F.linear(hidden, self.lm_head))[:rows]
+        logits = self.gather_logits(self._linear(hidden, self.lm_head))[:rows]
         if self.config.final_softcap:  # Gemma 2's, in the model dtype as transformers does
             logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
         return logits.float()
 
     def padded_rows(self, rows: int) -> int:
         """The row count a matmul of `rows` rows runs at: `rows` itself up to 32, then rounded
-        up to a 16th of its power of two (at most 1/16 more)."""
+        up to a 16th of its power of two (at most 1/16 more); in the deterministic mode, whole
+        tiles of `DETERMINISTIC_ROWS`."""
+        if self.deterministic:
+            return -(-rows // DETERMINISTIC_ROWS) * DETERMINISTIC_ROWS
         if not self.pads_rows or rows <= 32:
             return rows
         step = 1 << (rows.bit_length() - 5)
@@ -244,7 +279,7 @@ class LlamaModel:
         is sized and the worker serves: its memory is then flat from the start. The vocabulary
         matmul is left to fill as batches grow (~0.5 MB per row count): warming it would cost
         seconds per start, most of it for batches the worker may never see."""
-        if not self.pads_rows:
+        if not (self.pads_rows or self.deterministic):
             return
         layer = self.layers[0]
         matmuls = [(w, b) for w, b in ((layer.qkv, layer.qkv_bias), (layer.o_proj, None),
@@ -253,13 +288,34 @@ class LlamaModel:
         inputs = {w.shape[1]: torch.zeros(self.padded_rows(max_rows), w.shape[1],
                                           dtype=self.dtype, device=self.device)
                   for w, _ in matmuls}
+        if self.deterministic:  # one row count: the tile's
+            max_rows = DETERMINISTIC_ROWS
         for rows in sorted({self.padded_rows(n) for n in range(1, max_rows + 1)}):
             for weight, bias in matmuls:
-                F.linear(inputs[weight.shape[1]][:rows], weight, bias)
+                self._linear(inputs[weight.shape[1]][:rows], weight, bias)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _tiled_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear computed as matmuls of exactly `DETERMINISTIC_ROWS` rows each (the last tile
+    zero-padded), so each row's reduction order is the one kernel's, whatever the row count."""
+    rows, tile = x.shape[0], DETERMINISTIC_ROWS
+    padded = -(-rows // tile) * tile
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    x = x.contiguous()
+    out = torch.empty(padded, weight.shape[0], dtype=x.dtype, device=x.device)
+    transposed = weight.t()
+    for start in range(0, padded, tile):
+        if bias is None:
+            torch.mm(x[start:start + tile], transposed, out=out[start:start + tile])
+        else:
+            torch.addmm(bias, x[start:start + tile], transposed, out=out[start:start + tile])
+    return out[:rows]
 
 
 def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

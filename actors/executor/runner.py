@@ -7,6 +7,10 @@ scheduler may plan (`profile_tokens`, as one prefill chunk and as that many deco
 once on a scratch pool, and the pool gets `kv_memory_fraction` of the memory that leaves
 (`memory.py`). An out-of-memory error in a step leaves the pool usable: `free_cached_memory`
 hands back what the failed step held, and the step can be planned again smaller.
+
+`deterministic=True` puts the model in its deterministic mode (`LlamaModel.use_deterministic`):
+greedy output that does not depend on the rest of the batch, on chunking or on the prefix
+cache, at some cost in compute.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class ModelRunner:
                  max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION,
                  kv_max_bytes: int | None = None, profile_tokens: int = DEFAULT_PROFILE_TOKENS,
-                 model: LlamaModel | None = None):
+                 model: LlamaModel | None = None, deterministic: bool = False):
         if model is None:
             self.model_path = resolve_model_path(model_path)
             weights_dtype, kv_dtype = resolve_dtypes(dtype, kv_dtype, device)
@@ -50,7 +54,10 @@ class ModelRunner:
         else:
             # a model built elsewhere; the path, when given, still locates its tokenizer
             self.model_path = resolve_model_path(model_path) if model_path else None
+        if deterministic:
+            model.use_deterministic(True)  # before anything runs: warming, profiling
         self.model = model
+        self.deterministic = bool(deterministic)
         self.config: ModelConfig = model.config
         self.device = model.device
         self.block_size = block_size
