@@ -254,6 +254,10 @@ class GrammarChecks:
             known = self.known.get(kind, text)  # checked while this one waited
             if known is not None:
                 return known
+            if checker is not None and checker.process.returncode is not None:
+                # an idle process that ended (killed from outside): replaced, not blamed
+                doomed, checker = checker, None
+                await doomed.kill()
             if checker is None:
                 checker = await self._start()
             error: str | None = None
