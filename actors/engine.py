@@ -60,7 +60,7 @@ class Engine:
                  kv_dtype: str | None = None, device: str = "cpu", scheduler_config: SchedulerConfig | None = None,
                  num_blocks: int | None = None, max_model_len: int | None = None,
                  runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None,
-                 tensor_parallel: int = 1):
+                 tensor_parallel: int = 1, deterministic: bool = False):
         config = scheduler_config or SchedulerConfig()
         if tensor_parallel != 1:
             # the model split across `tensor_parallel` rank processes (this one is rank 0)
@@ -74,6 +74,8 @@ class Engine:
                 raise TensorParallelError("tensor_parallel builds its own runner: give a model "
                                           "path, not a runner")
             check_tensor_parallel(None, tensor_parallel)  # a size before any process starts
+            if deterministic:
+                raise TensorParallelError("the deterministic mode runs on one rank only")
             runner = TensorParallelRunner(model, tensor_parallel, dtype=dtype,
                                           kv_dtype=kv_dtype, device=device,
                                           num_blocks=num_blocks or None,
@@ -83,7 +85,11 @@ class Engine:
             largest_step = config.token_budget / min(config.prefill_weight, config.decode_weight)
             runner = ModelRunner(model, dtype=dtype, kv_dtype=kv_dtype, device=device,
                                  num_blocks=num_blocks or None, block_size=config.block_size,
-                                 max_model_len=max_model_len, profile_tokens=int(largest_step))
+                                 max_model_len=max_model_len, profile_tokens=int(largest_step),
+                                 deterministic=deterministic)
+        elif deterministic and not getattr(runner, "deterministic", False):
+            raise ValueError("deterministic=True with a runner made without it: build the "
+                             "runner with deterministic=True")
         self.runner = runner
         self.tokenizer = tokenizer or load_tokenizer(runner.model_path)
         config = dataclasses.replace(config, kv_blocks=runner.num_blocks,

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=dtypes,
                        help="weights and KV (default auto: bf16 where the hardware has it)")
     serve.add_argument("--kv-dtype", choices=dtypes, help="the KV pool's (default auto: as --dtype)")
+    serve.add_argument("--deterministic", action="store_true", default=None,
+                       help="greedy output independent of batch, chunking and prefix cache "
+                            "(CPU; costs compute)")
     serve.add_argument("--heartbeat-timeout", type=float, help="seconds of client silence")
     serve.add_argument("--pause-timeout", type=float, help="seconds a paused request may wait")
     serve.add_argument("--drain-deadline", type=float, help="seconds SIGTERM waits")
@@ -90,6 +93,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "worker.device": args.device,
         "worker.dtype": args.dtype,
         "worker.kv_dtype": args.kv_dtype,
+        "worker.deterministic": args.deterministic,
     }
 
 

@@ -87,6 +87,10 @@ class WorkerSpec:
     block_size: int = 16
     max_model_len: int | None = None
     threads: int | None = None  # torch threads in the worker; unset with `cpus`: one per CPU
+    # greedy output that does not depend on the rest of the batch, on how a prompt was
+    # chunked or on the prefix cache: fixed matmul tiles and fixed-order attention, at a
+    # cost in compute (see executor/model.py); CPU only
+    deterministic: bool = False
     # CPUs the worker runs on (its matmul threads included); None: wherever the daemon may.
     # Pinned, the worker's threads and the daemon's event loop stop preempting each other
     cpus: tuple[int, ...] | None = None
@@ -111,6 +115,12 @@ class WorkerSpec:
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
                 0.0 < fraction <= 1.0):
             raise ValueError(f"worker.kv_memory_fraction: must be in (0, 1], got {fraction!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"worker.deterministic: must be true or false, got "
+                             f"{self.deterministic!r}")
+        if self.deterministic and self.device != "cpu":
+            raise ValueError(f"worker.deterministic: runs on the CPU only, not on "
+                             f"{self.device!r}")
         for name in ("kv_max_bytes", "profile_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -304,6 +314,8 @@ class Executor(Actor):
             cmd += ["--max-model-len", str(spec.max_model_len)]
         if spec.threads is not None:
             cmd += ["--threads", str(spec.threads)]
+        if spec.deterministic:
+            cmd += ["--deterministic"]
         if spec.cpus is not None:
             cmd += ["--cpus", ",".join(map(str, spec.cpus))]
         if spec.debug_fail_token is not None:

@@ -93,6 +93,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="greedy output independent of batch, chunking and prefix cache")
     parser.add_argument("--cpus", default=None, metavar="N,N,...",
                         help="run on these CPUs only; --threads defaults to their number")
     parser.add_argument("--parent-pid", type=int, default=None,
@@ -208,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     runner = ModelRunner(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device,
                          num_blocks=args.num_blocks, block_size=args.block_size,
-                         max_model_len=args.max_model_len, **sizing)
+                         max_model_len=args.max_model_len, deterministic=args.deterministic,
+                         **sizing)
     log.info("model loaded", model=name, seconds=round(time.perf_counter() - started, 1))
     if (kv := runner.kv_sizing) is not None:
         log.info("kv pool sized", available_bytes=kv.available_bytes,

@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="offline only; auto picks bfloat16 where the CPU/GPU has it")
     parser.add_argument("--kv-dtype", default="auto", choices=DTYPE_CHOICES,
                         help="offline only; the KV pool's dtype (auto: as --dtype)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="offline only; greedy output independent of batch, chunking and "
+                             "prefix cache (CPU; costs compute)")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="raw prompt text")
     what.add_argument("--chat", help="a user message, wrapped in the model's chat template")
@@ -78,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         name, size = model_label(args.model)
         print(f"loading model {name} ({size}) ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
-        engine = Engine(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
+        engine = Engine(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                        deterministic=args.deterministic)
         print(f"model loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr,
               flush=True)
         request_id = engine.add_request(sampling=sampling, **prompt)

@@ -160,3 +160,35 @@ def test_logits_are_bitwise_the_same_however_the_step_is_made(dtype, tokenizer):
         differ.append("decoded among 32 decodes")
     print(f"\n{dtype} logits without the deterministic mode: "
           + (f"differ from alone when {', '.join(differ)}" if differ else "no difference seen"))
+
+
+def test_the_setting_reaches_the_worker_and_a_bad_value_is_named(tmp_path):
+    from sluice.actors.executor.actor import Executor, WorkerSpec
+    from sluice.daemon.config import ConfigFileError, load_config
+    from sluice.daemon.main import _overrides, build_parser
+
+    config = tmp_path / "sluiced.toml"
+    config.write_text("[worker]\ndeterministic = true\n")
+    spec = load_config(config).worker
+    assert spec.deterministic is True
+    command = Executor(spec, scheduler=None)._command("ipc:///nowhere")
+    assert "--deterministic" in command
+    assert "--deterministic" not in Executor(WorkerSpec(), scheduler=None)._command("ipc://x")
+
+    config.write_text('[worker]\ndeterministic = "yes"\n')
+    with pytest.raises(ConfigFileError, match="worker.deterministic"):
+        load_config(config)
+    with pytest.raises(ValueError, match="worker.deterministic: runs on the CPU only"):
+        WorkerSpec(deterministic=True, device="cuda")
+
+    flagged = _overrides(build_parser().parse_args(["serve", "--deterministic"]))
+    assert flagged["worker.deterministic"] is True
+    assert load_config(None, flagged).worker.deterministic is True
+    # without the flag the file's setting stands
+    assert _overrides(build_parser().parse_args(["serve"]))["worker.deterministic"] is None
+
+
+def test_an_engine_asked_for_the_mode_refuses_a_runner_without_it(tokenizer):
+    runner = ModelRunner(model=LlamaModel.random(CONFIG), num_blocks=8, block_size=16)
+    with pytest.raises(ValueError, match="runner made without it"):
+        Engine(runner=runner, tokenizer=tokenizer, deterministic=True)
