@@ -334,6 +334,8 @@ class GrammarChecks:
         """`tenant`'s turn ends; its process goes back (None: it has none, its place is free),
         and the next tenant's check in the turn takes a process."""
         self._running.discard(tenant)
+        if tenant in self._waiting:  # its next check goes after those of the others waiting
+            self._waiting[tenant] = self._waiting.pop(tenant)
         if checker is not None:
             self._idle.append(checker)
         else:

@@ -35,3 +35,30 @@ async def test_a_dead_idle_process_is_replaced_and_a_cancelled_check_gives_its_p
             assert checks._processes == 1 and not checks._waiting and not checks._pending
     finally:
         checks.close()
+
+
+async def test_the_tenants_waiting_take_the_process_in_turn():
+    """One process: tenant a's second check, queued before c's, runs after it, as a's first
+    check had its turn."""
+    checks = GrammarChecks(Limits(grammar_check_processes=1))
+    order: list[str] = []
+
+    async def check(tenant: str, pattern: str) -> None:
+        assert await checks.problem("regex", pattern, tenant) == ""
+        order.append(tenant)
+
+    try:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(check, "a", "(a1)+")
+                while "a" not in checks._running:
+                    await trio.sleep(0)
+                nursery.start_soon(check, "a", "(a2)+")
+                while len(checks._waiting.get("a", ())) < 1:
+                    await trio.sleep(0)
+                nursery.start_soon(check, "c", "(c1)+")
+                while "c" not in checks._waiting:
+                    await trio.sleep(0)
+        assert order == ["a", "c", "a"]
+    finally:
+        checks.close()
