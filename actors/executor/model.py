@@ -302,20 +302,22 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 def _tiled_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear computed as matmuls of exactly `DETERMINISTIC_ROWS` rows each (the last tile
-    zero-padded), so each row's reduction order is the one kernel's, whatever the row count."""
+    zero-padded), so each row's reduction order is the one kernel's, whatever the row count.
+
+    The tiles go to one batched matmul over the same weight: each tile's product was
+    measured to be bitwise the product of that tile alone, at every batch count and position
+    (tests/unit/engine/test_deterministic_mode.py checks it on the machine it runs on), and
+    one call costs about what one matmul of all the rows does, where a loop of matmuls pays
+    each call's thread start-up again."""
     rows, tile = x.shape[0], DETERMINISTIC_ROWS
-    padded = -(-rows // tile) * tile
-    if padded != rows:
-        x = F.pad(x, (0, 0, 0, padded - rows))
-    x = x.contiguous()
-    out = torch.empty(padded, weight.shape[0], dtype=x.dtype, device=x.device)
-    transposed = weight.t()
-    for start in range(0, padded, tile):
-        if bias is None:
-            torch.mm(x[start:start + tile], transposed, out=out[start:start + tile])
-        else:
-            torch.addmm(bias, x[start:start + tile], transposed, out=out[start:start + tile])
-    return out[:rows]
+    tiles = -(-rows // tile)
+    if tiles * tile != rows:
+        x = F.pad(x, (0, 0, 0, tiles * tile - rows))
+    x = x.reshape(tiles, tile, x.shape[1])
+    transposed = weight.t().expand(tiles, *weight.t().shape)
+    out = (torch.bmm(x, transposed) if bias is None
+           else torch.baddbmm(bias, x, transposed))
+    return out.view(tiles * tile, weight.shape[0])[:rows]
 
 
 def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

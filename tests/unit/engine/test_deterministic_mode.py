@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sluice.actors.engine import Engine
-from sluice.actors.executor.model import LlamaModel, ModelConfig
+from sluice.actors.executor.model import LlamaModel, ModelConfig, _tiled_linear
 from sluice.actors.executor.runner import ModelRunner
 from sluice.actors.scheduler import SchedulerConfig
 from sluice.actors.scheduler.plan import ScheduledSeq, StepPlan
@@ -68,6 +68,26 @@ def _ways(runner: ModelRunner, tokenizer) -> dict[str, list[int]]:
     ways["prefix cached"] = completion.token_ids
     cached.scheduler.check_invariants()
     return ways
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(128, 384), (576, 1536)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_a_row_of_the_tiled_matmul_depends_on_that_row_alone(dtype, shape):
+    # what the mode rests on, checked on the machine the suite runs on (first in this file:
+    # at torch's own thread count): a row's product is the same bits at every row count and
+    # every place in the step, bias or not
+    generator = torch.Generator().manual_seed(1)
+    inputs, outputs = shape
+    weight = torch.randn(outputs, inputs, generator=generator).to(dtype) * 0.05
+    bias = torch.randn(outputs, generator=generator).to(dtype)
+    row = torch.randn(1, inputs, generator=generator).to(dtype)
+    for b in (None, bias):
+        alone = _tiled_linear(row, weight, b)
+        for rows in (2, 15, 16, 17, 40, 100, 273):
+            for place in {0, rows // 2, rows - 1}:
+                x = torch.randn(rows, inputs, generator=generator).to(dtype)
+                x[place] = row[0]
+                assert torch.equal(_tiled_linear(x, weight, b)[place], alone[0]), (rows, place)
 
 
 @pytest.fixture(scope="module")
