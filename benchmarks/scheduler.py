@@ -16,7 +16,7 @@ import statistics
 import time
 
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
-from sluice.actors.scheduler.plan import SampledToken, StepResult
+from sluice.actors.scheduler.plan import StepResult
 from sluice.ipc.vocabulary import SamplingParams
 from sluice.daemon.heap import settle_collector
 
@@ -50,7 +50,7 @@ def build(running: int, waiting: int, policy: str, prompt_len: int, iterations: 
 
 def iterate(sched: Scheduler) -> int:
     plan = sched.schedule()
-    sampled = {s.request_id: SampledToken(11) for s in plan.seqs if s.sample}
+    sampled = {s.request_id: 11 for s in plan.seqs if s.sample}
     sched.update(plan, StepResult(plan.step_id, sampled))
     return len(plan.seqs)
 

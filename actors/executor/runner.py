@@ -188,17 +188,18 @@ class ModelRunner:
         finally:
             if masks is not None:
                 masks = masks.result()
-        sampled = {}
+        sampled, logprobs = {}, {}
         if sampling_seqs:
             tokens = sample(logits, sampling_seqs, masks)
             for seq, token in zip(sampling_seqs, tokens):
-                sampled[seq.request_id] = token
+                sampled[seq.request_id] = token.token_id
+                if token.logprob is not None or token.top_logprobs is not None:
+                    logprobs[seq.request_id] = token
             if masks is not None:
-                self._constraints.advance(sampling_seqs, [t[0] for t in tokens])
+                self._constraints.advance(sampling_seqs, [t.token_id for t in tokens])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(step_id=plan.step_id, sampled=sampled,
-                          forward_seconds=time.perf_counter() - started)
+        return StepResult(plan.step_id, sampled, time.perf_counter() - started, logprobs)
 
     def forward_logits(self, plan: StepPlan):
         """Run the step's forward (writing its KV); logits of the sequences that sample."""

@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"test fault: a step computes token {args.debug_fail_token}")
                 result = runner.execute(plan)
                 runner.reset_kv()
-                token = result.sampled[HEALTH_REQUEST].token_id + args.debug_health_offset
+                token = result.sampled[HEALTH_REQUEST] + args.debug_health_offset
                 reply = HealthAnswer(token % runner.config.vocab_size,
                                      time.perf_counter() - started)
             else:

@@ -20,7 +20,7 @@ from sluice.actors.runtime.reports import (
     Endpoint, EndpointQuery, MetricsQuery, MetricsSnapshot, UsageQuery, UsageRecord,
     UsageSnapshot, WorkerQuery, WorkerState,
 )  # fmt: skip
-from sluice.actors.scheduler.plan import RequestCost, RequestOutput, TokenPair
+from sluice.actors.scheduler.plan import RequestCost, StepOutputs as CoreStepOutputs
 from sluice.ipc.messages import (
     Accepted, CancelCommand, Chunk, CommandReply, ControlSnapshot, DrainCommand, Error,
     Finished, GatewayStats, Generate, InjectFault, ReconcileCommand, RecoverCommand, Rejected,
@@ -176,14 +176,14 @@ class AdmissionRefused:
 
 @dataclass(frozen=True)
 class StepOutputs:
-    """Scheduler -> Tokenizer: what one iteration produced (a request's plain next token as
-    a `TokenPair`), after the requests the core admitted since the last one, each as
+    """Scheduler -> Tokenizer: what one iteration produced (the core's own columns), after
+    the requests the core admitted since the last one, each as
     (request id, prompt tokens): their `Accepted` goes out with the step's chunks, in one
     frame per connection, not in a frame of its own. The scheduler holds an admission for
     the step in flight, for `ACCEPTED_HOLD` at most; with none in flight it sends it at
     once (with no outputs)."""
 
-    outputs: tuple[RequestOutput | TokenPair, ...]
+    outputs: CoreStepOutputs
     admitted: tuple[tuple[str, int], ...] = ()
 
 

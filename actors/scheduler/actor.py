@@ -26,7 +26,7 @@ from sluice.actors.front.limits import Limits, clip
 from sluice.actors.runtime.reports import Backlog, Histogram, MetricsQuery, MetricsSnapshot
 from sluice.actors.scheduler import AdmissionError, Request, Scheduler
 from sluice.actors.scheduler.latency import LatencyLog
-from sluice.actors.scheduler.plan import RequestOutput, StepPlan, StepResult, TokenPair
+from sluice.actors.scheduler.plan import RequestOutput, StepOutputs, StepPlan, StepResult
 from sluice.actors.scheduler.step_budget import StepBudget
 from sluice.ipc import messages as m
 
@@ -110,7 +110,7 @@ class SchedulerActor(Actor):
             await trio.sleep(min(0.1, max(0.0, due - self.core.clock())))
             outputs = self.core.expire()
             if outputs:
-                self._emit(outputs)
+                self._emit_ended(outputs)
                 self._maybe_step()
 
     async def _send_held_admissions(self) -> None:
@@ -120,7 +120,7 @@ class SchedulerActor(Actor):
             await self.admission_held.wait()
             self.admission_held = trio.Event()
             await trio.sleep(ACCEPTED_HOLD)
-            self._emit([])  # what a step's outputs did not take meanwhile
+            self._emit(StepOutputs())  # what a step's outputs did not take meanwhile
 
     def handlers(self) -> dict[type, Handler]:
         return {
@@ -182,12 +182,12 @@ class SchedulerActor(Actor):
         self.admitted.append((msg.request_id, len(msg.prompt_ids)))
         self._maybe_step()
         if self.in_flight is None:  # no step's outputs to go with: its `Accepted` goes now
-            self._emit([])
+            self._emit(StepOutputs())
         else:
             self.admission_held.set()
 
     async def on_release(self, msg: am.Release) -> None:
-        self._emit([out for rid in msg.request_ids
+        self._emit_ended([out for rid in msg.request_ids
                     if (out := self.core.abort(rid, msg.reason)) is not None])
         self._maybe_step()
 
@@ -196,7 +196,7 @@ class SchedulerActor(Actor):
         # one the core no longer has ended meanwhile, and that end is on its way already
         out = self.core.finish(msg.request_id)
         if out is not None:
-            self._emit([out])
+            self._emit_ended([out])
         self._maybe_step()
 
     async def on_pause_or_resume(self, msg: am.PauseDecoding | am.ResumeDecoding) -> None:
@@ -230,7 +230,7 @@ class SchedulerActor(Actor):
         self.in_flight = None
         self.step_budget.step_ran()
         self.latency.step(plan, trio.current_time() - self.step_sent)
-        self._emit(self.core.update(plan, result, pairs=True))
+        self._emit(self.core.update(plan, result))
         self._after_step()
 
     async def on_step_out_of_memory(self, msg: StepOutOfMemory) -> None:
@@ -271,7 +271,7 @@ class SchedulerActor(Actor):
         for out in outputs:
             log.error("request failed: its steps lost the worker",
                       request_id=clip(out.request_id, _LOG_LIMITS), losses=self.max_step_losses)
-        self._emit(outputs)
+        self._emit_ended(outputs)
         return [out.request_id for out in outputs]
 
     async def on_worker_ready(self, msg: am.WorkerReady) -> None:
@@ -294,7 +294,7 @@ class SchedulerActor(Actor):
         self.worker_pid = 0
         rids = list(self.core.requests)
         why = worker_failed_message(msg.reason)  # what their clients' `Error` says
-        self._emit([out for rid in rids
+        self._emit_ended([out for rid in rids
                     if (out := self.core.abort(rid, m.FinishReason.ERROR, why)) is not None])
         if first or rids:
             log.error("worker failed: requests are refused until it recovers",
@@ -373,20 +373,24 @@ class SchedulerActor(Actor):
                                     error=why)
             if out is not None:
                 outputs.append(out)
-        self._emit(outputs)
+        self._emit_ended(outputs)
 
-    def _emit(self, outputs: list[RequestOutput | TokenPair]) -> None:
+    def _emit(self, outputs: StepOutputs) -> None:
         """Tell the tokenizer `outputs`, after the admissions held for them."""
         admitted, self.admitted = self.admitted, []
         if not outputs and not admitted:
             return
         if outputs:
             self.latency.record(self.core, outputs)
-            for out in outputs:
-                if type(out) is not tuple and out.finished:
+            for out in outputs.outputs:
+                if out.finished:
                     key = "cancelled" if out.finish_reason in _CANCELLED else "finished"
                     self.counters[key] += 1
-        self.tokenizer.put(am.StepOutputs(tuple(outputs), tuple(admitted)))
+        self.tokenizer.put(am.StepOutputs(outputs, tuple(admitted)))
+
+    def _emit_ended(self, outputs: list[RequestOutput]) -> None:
+        """`_emit` outputs that are not a step's (ends, mostly)."""
+        self._emit(StepOutputs(outputs=outputs))
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -395,7 +399,7 @@ class SchedulerActor(Actor):
         if isinstance(command, m.CancelCommand):
             reply, outputs = commands.cancel(self.core, command.request_id)
             if outputs:
-                self._emit(outputs)
+                self._emit_ended(outputs)
                 self._maybe_step()
         elif isinstance(command, m.DrainCommand):
             self.draining = True
@@ -405,7 +409,7 @@ class SchedulerActor(Actor):
             return
         elif isinstance(command, m.TenantSet):
             reply, outputs = commands.set_tenant(self.core, command)
-            self._emit(outputs)
+            self._emit_ended(outputs)
             if reply.ok:  # new limits may let a waiting request in
                 self._maybe_step()
         elif isinstance(command, m.InjectFault) and command.kind == "leak_block":
@@ -417,14 +421,14 @@ class SchedulerActor(Actor):
             raise RuntimeError("injected scheduler fault")
         elif isinstance(command, am.ReleaseAll):
             reply, outputs = commands.release_all(self.core)
-            self._emit(outputs)
+            self._emit_ended(outputs)
         else:
             reply = m.CommandReply("unknown", False, f"the scheduler cannot do {command!r}")
         self.askers.put(msg.reply_to, am.Reply(msg.token, reply))
 
     def _answer_reconcile(self, msg: am.Operate) -> None:
         findings, outputs = commands.reconcile(self.core, msg.connections)
-        self._emit(outputs)
+        self._emit_ended(outputs)
         self._maybe_step()
         self.askers.put(msg.reply_to, am.Reply(msg.token, commands.reconcile_reply(findings)))
 
@@ -472,7 +476,7 @@ class SchedulerActor(Actor):
 
     async def on_crash(self, exc: BaseException) -> None:
         rids = list(self.core.requests)
-        self._emit([RequestOutput(rid, [], finished=True, finish_reason=m.FinishReason.ERROR)
+        self._emit_ended([RequestOutput(rid, [], finished=True, finish_reason=m.FinishReason.ERROR)
                     for rid in rids])
         log.error("scheduler lost its requests", count=len(rids))
 

@@ -11,7 +11,7 @@ import itertools
 from collections import deque
 
 from sluice.actors.scheduler.scheduler import Scheduler
-from sluice.actors.scheduler.plan import RequestOutput, StepPlan, TokenPair
+from sluice.actors.scheduler.plan import StepOutputs, StepPlan
 
 
 LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -60,18 +60,16 @@ class LatencyLog:
         self.histograms = histograms
         self.buckets: dict[tuple[str, str], Buckets] = {}
 
-    def record(self, core: Scheduler, outputs: list[RequestOutput | TokenPair]) -> None:
+    def record(self, core: Scheduler, outputs: StepOutputs) -> None:
         now = core.clock()
         produced = 0
         last_token = self.last_token
         # (time of the previous token, label, tokens) -> requests: the requests that decoded
         # in the same earlier step share one inter-token latency, observed once per group
         gaps: dict[tuple[float, str, int], int] = {}
-        for out in outputs:
-            if type(out) is tuple:  # a `TokenPair`: one token, the request goes on
-                rid, n, finished = out[0], 1, False
-            else:
-                rid, n, finished = out.request_id, len(out.new_token_ids), out.finished
+        rows = zip(outputs.request_ids, itertools.repeat(1), itertools.repeat(False))
+        ended = ((out.request_id, len(out.new_token_ids), out.finished) for out in outputs.outputs)
+        for rid, n, finished in itertools.chain(rows, ended):
             if n:
                 seen = last_token.get(rid)
                 if seen is not None:

@@ -2,7 +2,7 @@
 
 The scheduler core produces a `StepPlan`; whoever executes it (the in-process model runner,
 the worker process, or the simulator) answers with a `StepResult`; the core turns that into
-`RequestOutput`s. Everything here is plain data: no torch, no sockets, so it can be
+the step's `StepOutputs`. Everything here is plain data: no torch, no sockets, so it can be
 msgpack-encoded for the worker process and used by the simulator without a model.
 
 The bulky types have a compact `to_plain()` form (nested lists of msgpack's own types) and a
@@ -13,15 +13,14 @@ the scheduling itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from sluice.ipc.vocabulary import FinishReason, SamplingParams
 
-_new_tuple = tuple.__new__
-
-__all__ = ["RequestCost", "RequestOutput", "SampledToken", "ScheduledSeq", "StepPlan",
-           "StepResult", "TokenPair"]
+__all__ = ["RequestCost", "RequestOutput", "SampledToken", "ScheduledSeq", "StepOutputs",
+           "StepPlan", "StepResult"]
 
 
 @dataclass
@@ -107,8 +106,8 @@ def _is_decode(seq: ScheduledSeq) -> bool:
 
 
 class SampledToken(NamedTuple):
-    """One sampled token. A named tuple, not a dataclass: one is made per token of every
-    step, and its compact form (the triple itself) becomes one without calling `__init__`."""
+    """A sampled token with the log-probabilities its request asked for. Only such requests
+    get one; every other sampled token travels as its id alone."""
 
     token_id: int
     logprob: float | None = None
@@ -120,42 +119,32 @@ class SampledToken(NamedTuple):
     @classmethod
     def from_plain(cls, plain: list | tuple) -> SampledToken:
         token, logprob, top = plain
-        if top is None:
-            return _new_tuple(cls, plain)
         return cls(token, logprob, [tuple(pair) for pair in top] if top else None)
 
 
 @dataclass
 class StepResult:
     step_id: int
-    # one entry per scheduled sequence whose `sample` was true: the token's id, or its
-    # `SampledToken` when it carries logprobs (a decoded result holds plain ids for the rest)
-    sampled: dict[str, int | SampledToken] = field(default_factory=dict)
+    # the token id sampled for each scheduled sequence whose `sample` was true
+    sampled: dict[str, int] = field(default_factory=dict)
     forward_seconds: float = 0.0
+    # the tokens of the requests that asked for logprobs, with them
+    logprobs: dict[str, SampledToken] = field(default_factory=dict)
 
     def to_plain(self) -> list:
         # columns, not one list per token: the ids of the requests, their tokens' ids, and
-        # the full form of only the tokens that carry logprobs (None if none does)
-        sampled = self.sampled
-        tokens = [t if type(t) is int else t[0] for t in sampled.values()]
-        detailed = {rid: t for rid, t in sampled.items()
-                    if type(t) is not int and (t[1] is not None or t[2] is not None)}
-        return [self.step_id, list(sampled), tokens, detailed or None, self.forward_seconds]
+        # the tokens with logprobs (None if none has)
+        sampled, logprobs = self.sampled, self.logprobs
+        return [self.step_id, list(sampled), list(sampled.values()),
+                {rid: list(t) for rid, t in logprobs.items()} if logprobs else None,
+                self.forward_seconds]
 
     @classmethod
     def from_plain(cls, plain: list | tuple) -> StepResult:
-        step_id, rids, tokens, detailed, seconds = plain
-        sampled = dict(zip(rids, tokens))
-        if detailed:
-            for rid, token in detailed.items():
-                sampled[rid] = SampledToken.from_plain(token)
-        return cls(step_id, sampled, seconds)
-
-
-# One plain token of a request that goes on: (request id, token id). What `Scheduler.update`
-# gives, when asked for it, in place of a `RequestOutput` that would carry nothing else (most
-# outputs of a step): one object per token fewer for the daemon to build and read.
-TokenPair = tuple[str, int]
+        step_id, rids, tokens, logprobs, seconds = plain
+        detailed = {rid: SampledToken.from_plain(t) for rid, t in logprobs.items()} \
+            if logprobs else {}
+        return cls(step_id, dict(zip(rids, tokens)), seconds, detailed)
 
 
 @dataclass(frozen=True)
@@ -211,3 +200,34 @@ class RequestOutput:
         return cls(rid, list(tokens), finished, None if reason is None else FinishReason(reason),
                    logprobs, prompt, cached, preemptions, recomputed, error,
                    None if cost is None else RequestCost(*cost))
+
+
+@dataclass
+class StepOutputs:
+    """What one applied step produced, as columns: `request_ids[i]` goes on with the one
+    token `token_ids[i]` (no logprobs, not its last); everything else — a request's end, a
+    token with logprobs, a request ended while planning — is a whole `RequestOutput` in
+    `outputs`. Most of a step's requests are in the columns: one string and one int each,
+    for the core to make and the actors to pass on."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.request_ids) + len(self.outputs)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        """Every output as a `RequestOutput`: the whole ones, then the columns' (the view of
+        callers that take a step's outputs one by one, as the in-process engine does)."""
+        yield from self.outputs
+        for rid, token in zip(self.request_ids, self.token_ids):
+            yield RequestOutput(rid, [token])
+
+    def to_plain(self) -> list:
+        return [self.request_ids, self.token_ids, [out.to_plain() for out in self.outputs]]
+
+    @classmethod
+    def from_plain(cls, plain: list | tuple) -> StepOutputs:
+        rids, tokens, outputs = plain
+        return cls(list(rids), list(tokens), [RequestOutput.from_plain(o) for o in outputs])

@@ -21,8 +21,8 @@ from sluice.actors.scheduler.config import SchedulerConfig, TenantConfig
 from sluice.actors.scheduler.errors import InvalidRequest, Overloaded, TooLong
 from sluice.actors.scheduler.invariants import check_invariants
 from sluice.actors.scheduler.kv_cache import KVCacheManager
-from sluice.actors.scheduler.plan import (RequestOutput, SampledToken, StepPlan, StepResult,
-                                         TokenPair)
+from sluice.actors.scheduler.plan import (RequestOutput, SampledToken, StepOutputs, StepPlan,
+                                         StepResult)
 from sluice.actors.scheduler.planner import Planner
 from sluice.actors.scheduler.policy import make_policy
 from sluice.actors.scheduler.request import FAILED_REASONS, Request, RequestState
@@ -201,13 +201,14 @@ class Scheduler:
         return self.planner.schedule(token_budget)
 
     # -- results ----------------------------------------------------------------------------
-    def update(self, plan: StepPlan, result: StepResult, *,
-               pairs: bool = False) -> list[RequestOutput | TokenPair]:
+    def update(self, plan: StepPlan, result: StepResult) -> StepOutputs:
         """Apply one executed step: advance computed tokens, append samples, end what is done.
-
-        With `pairs`, a request that goes on with one token and asked for no logprobs gets a
-        `TokenPair` instead of a `RequestOutput`; otherwise every output is a `RequestOutput`."""
+        A request that goes on with one token and asked for no logprobs is a row of the
+        outputs' columns; every other output is a `RequestOutput`."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        request_ids: list[str] = []
+        token_ids: list[int] = []
+        detailed = result.logprobs
         now = self.clock()
         kv, ledger, tenants = self.kv_cache, self.ledger, self.ledger.tenants
         sampled, step_id, size = result.sampled, plan.step_id, kv.block_size
@@ -236,31 +237,31 @@ class Scheduler:
                 if end >= len(request.all_token_ids):
                     self.table.prefill_done(request, now)
                 continue
-            token = sampled.get(seq.request_id)
-            if token is None:
+            token_id = sampled.get(seq.request_id)
+            if token_id is None:
                 outputs.append(self._end(request, FinishReason.ERROR, RequestState.FAILED))
                 continue
             if request.state is not DECODING:  # its first token: the prompt is computed
                 self.table.prefill_done(request, now)
             ledger.charge_decode(tenant)
-            token_id = token if type(token) is int else token[0]  # an id alone: no logprobs
             reason = request.sampled(token_id, now, max_model_len)
             logprobs = request.sampling.logprobs is not None
             if reason is not None:
                 output = self._end(request, reason, RequestState.FINISHED)
                 output.new_token_ids = [token_id]
-            elif pairs and not logprobs:
-                outputs.append((request.request_id, token_id))
+            elif not logprobs:
+                request_ids.append(seq.request_id)
+                token_ids.append(token_id)
                 continue
             else:
                 output = RequestOutput(request.request_id, [token_id])
-            if logprobs:
-                output.logprobs = [SampledToken(token) if type(token) is int else token]
+            if logprobs:  # an executor that computes none gives the token alone
+                output.logprobs = [detailed.get(seq.request_id) or SampledToken(token_id)]
             outputs.append(output)
         self.bisection.step_done(plan, self.requests)
-        return outputs
+        return StepOutputs(request_ids, token_ids, outputs)
 
-    def step_not_run(self, plan: StepPlan) -> list[RequestOutput]:
+    def step_not_run(self, plan: StepPlan) -> StepOutputs:
         """`plan` did not run (out of memory): its requests give back the blocks it took and
         are planned again from their computed tokens. Returns what ended while planning."""
         for request in filter(None, map(self.requests.get, (s.request_id for s in plan.seqs))):
@@ -269,7 +270,7 @@ class Scheduler:
                 self.kv_cache.trim_to_computed(request)
                 request.scheduled_step = -1
         outputs, self._pending_outputs = self._pending_outputs, []
-        return outputs
+        return StepOutputs(outputs=outputs)
 
     # -- losing KV and ending -----------------------------------------------------------------
     def _drop_kv(self, request: Request, *, free: bool = True) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from sluice.actors.scheduler.errors import Quota
 from sluice.actors.scheduler.scheduler import Scheduler
-from sluice.actors.scheduler.plan import SampledToken, StepResult
+from sluice.actors.scheduler.plan import StepResult
 from sluice.ipc.vocabulary import SamplingParams
 from sluice.actors.scheduler.request import Request
 from sluice.actors.scheduler.scenario import Scenario, SimRequest, percentile
@@ -216,7 +216,7 @@ def simulate(scenario: Scenario, *, check_invariants: bool = False) -> Simulatio
         clock.now = end
         result = StepResult(
             plan.step_id,
-            {s.request_id: SampledToken(_TOKEN) for s in plan.seqs if s.sample},
+            {s.request_id: _TOKEN for s in plan.seqs if s.sample},
             forward_seconds=elapsed,
         )
         finished = []

@@ -56,6 +56,7 @@ from sluice.actors.runtime.base import Actor, Handler, Inbox, Outboxes
 from sluice.actors.front.intake import check_prompt_form, check_prompt_length
 from sluice.actors.front.limits import Limits, clip
 from sluice.actors.runtime.reports import BacklogGauge
+from sluice.actors.scheduler.plan import StepOutputs
 from sluice.actors.text import RequestText
 from sluice.actors.usage.records import complete, core_points, record, since
 from sluice.ipc import messages as m
@@ -141,20 +142,6 @@ class _Detok:
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
-def _chunk(request_id: str, text: str, token_ids: tuple[int, ...],
-           logprobs: tuple[m.TokenLogprobs, ...] | None) -> m.Chunk:
-    """A `Chunk` of values made here, filled as the wire codec fills a decoded one: a frozen
-    dataclass's `__init__` sets each field through `object.__setattr__`, which cost a third
-    of a microsecond per token."""
-    chunk = object.__new__(m.Chunk)
-    fields = chunk.__dict__
-    fields["request_id"] = request_id
-    fields["text"] = text
-    fields["token_ids"] = token_ids
-    fields["logprobs"] = logprobs
-    return chunk
-
-
 def wire_field(core_field: str, prompt_field: str) -> str:
     """The field a client sent, for one the scheduler core names in its own terms (the core
     serves the in-process engine too, which takes `prompt_token_ids` and a flat
@@ -178,7 +165,7 @@ class Tokenizer(Actor):
         self.usage = usage  # where the records of unattended requests go
         self.limits = limits
         self.requests: dict[str, _Detok] = {}  # survives restarts (see the module docstring)
-        self._carry: list = []  # outputs a crashed incarnation left unhandled
+        self._carry = StepOutputs()  # outputs a crashed incarnation left unhandled
         self._carry_encodes: list[am.Encode] = []  # long prompts it was still holding
         self.thread_slots = trio.CapacityLimiter(TOKENIZER_THREADS)
         self.streams = Outboxes()  # to the Stream actors of live requests
@@ -190,12 +177,14 @@ class Tokenizer(Actor):
         self.in_hand: am.Encode | None = None  # the request being tokenized, for on_crash
         self.deliveries: dict[str, list] = {}  # stream address -> messages
         self.records: list = []  # usage records of unattended requests, sent after the message
-        self.unhandled: list = []  # the outputs of the step being rendered
-        self.handling = 0  # ... and the index of the one in hand
+        self.unhandled = StepOutputs()  # the outputs of the step being rendered
+        # ... and the index of the one in hand: a row of its columns, then past them its
+        # whole outputs'
+        self.handling = 0
         # long prompts handed to worker threads: not yet admitted, their bytes still held
         self.tokenizing: dict[str, _Held] = {}
         self.pending_prompt_bytes = 0
-        carry, self._carry = self._carry, []
+        carry, self._carry = self._carry, StepOutputs()
         if carry:
             self._render_all(carry)
 
@@ -439,9 +428,9 @@ class Tokenizer(Actor):
             state = requests.get(rid)
             if state is not None:
                 self._outbox(state.reply_to).append(m.Accepted(state.client_id, prompt_tokens))
-        self._render_all(list(msg.outputs))
+        self._render_all(msg.outputs)
 
-    def _render_all(self, outputs: list) -> None:
+    def _render_all(self, outputs: StepOutputs) -> None:
         """Render a step's outputs; one whose rendering raises ends its own request with an
         error and the rest are rendered (see `_fail_request`)."""
         self.unhandled = outputs
@@ -456,22 +445,17 @@ class Tokenizer(Actor):
                     raise
                 self._fail_request(culprit, exc)
                 start = self.handling + 1
-        self.unhandled, self.handling = [], 0
+        self.unhandled, self.handling = StepOutputs(), 0
         self._deliver()
 
-    def _render_from(self, outputs: list, start: int) -> None:
+    def _render_from(self, outputs: StepOutputs, start: int) -> None:
         requests, deliveries = self.requests, self.deliveries
+        rids, tokens = outputs.request_ids, outputs.token_ids
         i = start
         try:
-            for i in range(start, len(outputs)):
-                out = outputs[i]
-                if type(out) is not tuple:
-                    state = requests.get(out.request_id)
-                    if state is not None:
-                        self._render(out, state, self._outbox(state.reply_to))
-                    continue
-                # a `TokenPair`: the request goes on with one token (the common case, inline)
-                rid, token_id = out
+            # the columns: requests that go on with one token (the common case, inline)
+            for i in range(start, len(rids)):
+                rid, token_id = rids[i], tokens[i]
                 state = requests.get(rid)
                 if state is None:
                     continue
@@ -481,10 +465,15 @@ class Tokenizer(Actor):
                 sent = deliveries.get(state.reply_to)
                 if sent is None:
                     sent = deliveries[state.reply_to] = []
-                sent.append(_chunk(state.client_id, rendered.push_one(token_id), (token_id,),
-                                   None))
+                sent.append(m.Chunk(state.client_id, rendered.push_one(token_id), (token_id,)))
                 if rendered.stopped:
                     self.scheduler.put(am.StopMatched(rid))
+            whole = outputs.outputs
+            for i in range(max(start, len(rids)), len(rids) + len(whole)):
+                out = whole[i - len(rids)]
+                state = requests.get(out.request_id)
+                if state is not None:
+                    self._render(out, state, self._outbox(state.reply_to))
         except BaseException:
             self.handling = i  # the output in hand: its request is the one that ends
             raise
@@ -519,7 +508,7 @@ class Tokenizer(Actor):
         if out.new_token_ids:
             text = rendered.push(out.new_token_ids)
             logprobs = rendered.logprobs(out.logprobs) if out.logprobs else None
-            sent.append(_chunk(state.client_id, text, tuple(out.new_token_ids), logprobs))
+            sent.append(m.Chunk(state.client_id, text, tuple(out.new_token_ids), logprobs))
             if rendered.stopped:
                 if out.finished:  # it ended in the core with this very token
                     self._finish(out, state, m.FinishReason.STOP, sent)
@@ -551,10 +540,10 @@ class Tokenizer(Actor):
 
     def _rendering(self) -> str | None:
         """The request whose output was being rendered when the actor crashed, if any."""
-        if self.handling >= len(self.unhandled):
+        rids, i = self.unhandled.request_ids, self.handling
+        if i >= len(self.unhandled):
             return None
-        out = self.unhandled[self.handling]
-        rid = out[0] if type(out) is tuple else out.request_id
+        rid = rids[i] if i < len(rids) else self.unhandled.outputs[i - len(rids)].request_id
         return rid if rid in self.requests else None
 
     async def on_crash(self, exc: BaseException) -> None:
@@ -569,11 +558,18 @@ class Tokenizer(Actor):
                 m.Finished(hand.generate.request_id, m.FinishReason.ERROR),
             ))
         self._deliver()
-        self._carry = self.unhandled[self.handling + 1:]  # the one at `handling` crashed
+        self._carry = _after(self.unhandled, self.handling)  # the one there crashed
         # long prompts cut off mid-tokenizing did nothing wrong: the next incarnation redoes them
         self._carry_encodes = [held.encode for held in self.tokenizing.values()]
         log.error("tokenizer crashed", error=repr(exc),
                   request=clip(culprit, self.limits) if culprit else None)
+
+
+def _after(outputs: StepOutputs, i: int) -> StepOutputs:
+    """The outputs past the `i`th (counted as `_render_from` counts them)."""
+    n = len(outputs.request_ids)
+    return StepOutputs(outputs.request_ids[i + 1:], outputs.token_ids[i + 1:],
+                       outputs.outputs[max(0, i + 1 - n):])
 
 
 def _fault(exc: BaseException) -> str:

@@ -11,7 +11,7 @@ from sluice.actors.executor.protocol import PlanFrame, ResultFrame
 from sluice.actors.executor.worker import decode_plan, encode_result
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
 from sluice.actors.scheduler.actor import SchedulerActor
-from sluice.actors.scheduler.plan import SampledToken, StepPlan, StepResult
+from sluice.actors.scheduler.plan import StepPlan, StepResult
 from sluice.ipc.vocabulary import SamplingParams
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
@@ -82,15 +82,15 @@ async def test_a_late_result_of_an_earlier_incarnations_plan_is_ignored() -> Non
         [new_plan] = _plans(executor)
 
         await actor.on_result_frame(_result(StepResult(old_plan.step_id,
-                                                      {"old": SampledToken(9)})))
+                                                      {"old": 9})))
         assert actor.in_flight is not None, "a stale result must not end the step in flight"
         assert not [o for o in taken_from(tokenizer) if isinstance(o, am.StepOutputs)]
 
         await actor.on_result_frame(_result(StepResult(new_plan.step_id,
-                                                      {"new": SampledToken(9)})))
-        outputs = [out for msg in taken_from(tokenizer) if isinstance(msg, am.StepOutputs)
-                   for out in msg.outputs]
-        assert outputs == [("new", 9)]  # its token, as the plain pair of one that goes on
+                                                      {"new": 9})))
+        outputs = [msg.outputs for msg in taken_from(tokenizer) if isinstance(msg, am.StepOutputs)]
+        # its token, in the columns of the requests that go on
+        assert [(o.request_ids, o.token_ids, o.outputs) for o in outputs] == [(["new"], [9], [])]
         actor.core.abort("new")
         actor.core.check_invariants()
         assert actor.core.kv_cache.num_used_blocks == 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
-from sluice.actors.scheduler.plan import SampledToken, StepPlan, StepResult
+from sluice.actors.scheduler.plan import StepPlan, StepResult
 from sluice.ipc.vocabulary import SamplingParams
 
 
@@ -18,13 +18,14 @@ class FakeClock:
 def sample_all(plan: StepPlan, token: int = 7) -> StepResult:
     """A result that samples `token` for every sequence the plan asks to sample."""
     return StepResult(
-        plan.step_id, {s.request_id: SampledToken(token) for s in plan.seqs if s.sample}
+        plan.step_id, {s.request_id: token for s in plan.seqs if s.sample}
     )
 
 
 def step(sched: Scheduler, token: int = 7, *, check: bool = True):
+    """One step of `sched` sampling `token`: its plan, and its outputs one per request."""
     plan = sched.schedule()
-    outputs = sched.update(plan, sample_all(plan, token))
+    outputs = list(sched.update(plan, sample_all(plan, token)))
     if check:
         sched.check_invariants()
     return plan, outputs

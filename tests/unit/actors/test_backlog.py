@@ -10,7 +10,7 @@ from sluice.actors.executor.protocol import PlanFrame, ResultFrame
 from sluice.actors.executor.worker import decode_plan, encode_result
 from sluice.actors.runtime.reports import Backlog, BacklogGauge
 from sluice.actors.scheduler import Scheduler, SchedulerConfig
-from sluice.actors.scheduler.plan import SampledToken, StepResult
+from sluice.actors.scheduler.plan import StepResult
 from sluice.ipc.vocabulary import SamplingParams
 from sluice.actors.scheduler.actor import SchedulerActor
 
@@ -49,7 +49,7 @@ async def test_the_scheduler_waits_for_room_downstream_then_steps_again() -> Non
         await actor.on_backlog(Backlog("gateway", 40))  # 120 together: over the limit
         step_id = decode_plan(first.frame).step_id
         await actor.on_result_frame(ResultFrame(encode_result(
-            StepResult(step_id, {"r": SampledToken(9)}))))
+            StepResult(step_id, {"r": 9}))))
         assert not taken_from(executor), "no step while downstream is behind"
         await actor.on_backlog(Backlog("tokenizer", 32))  # 72: room again
         assert [msg for msg in taken_from(executor) if isinstance(msg, PlanFrame)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from sluice.actors.scheduler import commands
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig, TenantConfig
 from sluice.actors.scheduler.latency import LatencyLog
-from sluice.actors.scheduler.plan import SampledToken, StepResult
+from sluice.actors.scheduler.plan import StepResult
 from sluice.ipc.vocabulary import SamplingParams
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
@@ -25,7 +25,7 @@ def _running(core: Scheduler, *rids: str) -> None:
         core.add_request(Request(rid, list(range(10 * i + 1, 10 * i + 7)),
                                  SamplingParams(max_tokens=50, temperature=0.0)))
     plan = core.schedule()
-    core.update(plan, StepResult(plan.step_id, {s.request_id: SampledToken(3)
+    core.update(plan, StepResult(plan.step_id, {s.request_id: 3
                                                 for s in plan.seqs if s.sample}))
 
 

@@ -12,7 +12,8 @@ from sluice.actors.runtime import reports
 from sluice.actors.runtime.base import Inbox
 from sluice.actors.executor import protocol, worker
 from sluice.actors.runtime.registry import CODEC
-from sluice.actors.scheduler.plan import RequestOutput, SampledToken, ScheduledSeq, StepPlan, StepResult
+from sluice.actors.scheduler.plan import (RequestOutput, SampledToken, ScheduledSeq, StepOutputs,
+                                         StepPlan, StepResult)
 from sluice.ipc.vocabulary import SamplingParams
 from sluice.ipc import messages as m
 
@@ -48,10 +49,12 @@ def roundtrip(msg):
     am.Operate(m.CancelCommand("a/1"), "inproc://control", 5, frozenset({b"a", b"b"})),
     am.Operate(am.ReleaseAll()),
     am.Reply(5, m.CommandReply("cancel", True, "cancelled a/1")),
-    am.StepOutputs(tuple(RequestOutput(f"a/{i}", [i], finished=i == 2,
-                                       finish_reason=m.FinishReason.LENGTH if i == 2 else None,
-                                       prompt_tokens=4) for i in range(3))),
-    am.StepOutputs((RequestOutput("a/1", [7], logprobs=[SampledToken(7, -0.25, [(7, -0.25)])]),)),
+    am.StepOutputs(StepOutputs(["a/3", "a/4"], [3, 4], [
+        RequestOutput(f"a/{i}", [i], finished=i == 2,
+                      finish_reason=m.FinishReason.LENGTH if i == 2 else None, prompt_tokens=4)
+        for i in range(3)]), (("a/5", 12),)),
+    am.StepOutputs(StepOutputs(outputs=[
+        RequestOutput("a/1", [7], logprobs=[SampledToken(7, -0.25, [(7, -0.25)])])])),
     reports.Backlog("tokenizer", 48),
     am.Reply(3, reports.WorkerState("ready", reports.WorkerFacts(64, 16, 2048, 49152, "float32"))),
     am.Reply(3, reports.WorkerState("failed", None, "worker exited with 1")),
@@ -74,8 +77,9 @@ def test_messages_come_back_equal(msg) -> None:
 def test_enums_lists_tuples_and_sets_keep_their_types() -> None:
     release = roundtrip(am.Release(("a/1",), m.FinishReason.CANCELLED))
     assert release.reason is m.FinishReason.CANCELLED and isinstance(release.request_ids, tuple)
-    outputs = roundtrip(am.StepOutputs((RequestOutput("a/1", [4, 5]),))).outputs
-    assert type(outputs[0].new_token_ids) is list
+    outputs = roundtrip(am.StepOutputs(StepOutputs(["a/2"], [3], [RequestOutput("a/1", [4, 5])])))
+    assert type(outputs.outputs.outputs[0].new_token_ids) is list
+    assert type(outputs.outputs.token_ids) is list
     operate = roundtrip(am.Operate("x", "", 0, frozenset({b"c"})))
     assert type(operate.connections) is frozenset
     ended = roundtrip(am.Ended((), (m.RejectCode.INVALID, m.RejectCode.TOO_LONG)))
@@ -92,11 +96,10 @@ def test_a_step_plan_and_its_result_cross_whole() -> None:
     back = roundtrip(plan)
     assert back == plan
     assert back.seqs[0].sampling is back.seqs[2].sampling  # equal params sent once
-    result = StepResult(7, {"a/1": SampledToken(3, -0.1, [(3, -0.1), (4, -2.0)]), "a/2": 9},
-                        0.004)
+    result = StepResult(7, {"a/1": 3, "a/2": 9}, 0.004,
+                        {"a/1": SampledToken(3, -0.1, [(3, -0.1), (4, -2.0)])})
     assert roundtrip(result) == result
-    # a token without logprobs crosses as its id alone
-    assert roundtrip(StepResult(7, {"a/2": SampledToken(9)})).sampled == {"a/2": 9}
+    assert roundtrip(StepResult(7, {"a/2": 9})).logprobs == {}
 
 
 def test_a_compact_form_read_or_written_by_hand_is_the_objects_own() -> None:
@@ -104,7 +107,7 @@ def test_a_compact_form_read_or_written_by_hand_is_the_objects_own() -> None:
     step_id, samplings, seqs = CODEC.decode_compact(worker.encode_plan(plan), StepPlan)
     assert step_id == 7 and seqs[0][0] == "a/1" and seqs[0][6] == 5
     assert SamplingParams.from_plain(samplings[0]) == SAMPLING
-    result = StepResult(7, {"a/1": SampledToken(3, -0.1, [(3, -0.1)]), "a/2": 8}, 0.0)
+    result = StepResult(7, {"a/1": 3, "a/2": 8}, 0.0, {"a/1": SampledToken(3, -0.1, [(3, -0.1)])})
     by_hand = CODEC.encode_compact(StepResult, [7, ["a/1", "a/2"], [3, 8],
                                                 {"a/1": [3, -0.1, [(3, -0.1)]]}, 0.0])
     assert worker.decode_result(by_hand) == result
@@ -117,9 +120,9 @@ def test_a_compact_form_read_or_written_by_hand_is_the_objects_own() -> None:
 def test_the_receiver_gets_a_copy() -> None:
     tokens = [1, 2]
     out = RequestOutput("a/1", tokens)
-    frame = CODEC.encode(am.StepOutputs((out,)))
+    frame = CODEC.encode(am.StepOutputs(StepOutputs(outputs=[out])))
     tokens.append(3)  # the sender keeps using its object
-    assert CODEC.decode(frame).outputs[0].new_token_ids == [1, 2]
+    assert CODEC.decode(frame).outputs.outputs[0].new_token_ids == [1, 2]
 
 
 def test_objects_that_are_not_data_are_refused_at_the_sender() -> None:
@@ -137,7 +140,7 @@ def test_the_worker_protocol_round_trips_plans_and_results() -> None:
     seq = ScheduledSeq("a/1", [1, 2, 3], 0, [0], True, SAMPLING)
     plan = StepPlan(7, [seq])
     assert worker.decode_plan(worker.encode_plan(plan)) == plan
-    result = StepResult(7, {"a/1": SampledToken(5, -0.5, [(5, -0.5)])}, 0.01)
+    result = StepResult(7, {"a/1": 5}, 0.01, {"a/1": SampledToken(5, -0.5, [(5, -0.5)])})
     assert worker.decode_result(worker.encode_result(result)) == result
     with pytest.raises(TypeError, match="StepPlan"):
         worker.decode_plan(worker.encode(protocol.HealthCheck()))

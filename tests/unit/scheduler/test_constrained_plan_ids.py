@@ -16,7 +16,7 @@ import pytest
 from support.scheduler import make_scheduler, req
 
 from sluice.actors.executor.grammar import Constraints
-from sluice.actors.scheduler.plan import MATCHER_STEPS, SampledToken, StepResult
+from sluice.actors.scheduler.plan import MATCHER_STEPS, StepResult
 
 GRAMMAR = {"grammar_kind": "regex", "grammar": r"(ab|cd|[0-9]{1,3}|\n| )*"}
 
@@ -44,7 +44,7 @@ def test_a_long_constrained_output_carries_one_id_per_decode() -> None:
         plan = sched.schedule()
         sizes.append(len(carried(plan, "json")))
         assert carried(plan, "free") is None  # no grammar, no penalties: no ids
-        sched.update(plan, StepResult(plan.step_id, {s.request_id: SampledToken(100 + n % 7)
+        sched.update(plan, StepResult(plan.step_id, {s.request_id: 100 + n % 7
                                                      for s in plan.seqs if s.sample}))
         sched.check_invariants()
     assert sizes[0] == 0 and set(sizes[1:]) == {1}
@@ -55,7 +55,7 @@ def test_a_long_constrained_output_carries_one_id_per_decode() -> None:
         while True:
             plan = sched.schedule()
             ids = carried(plan, "json")
-            sched.update(plan, StepResult(plan.step_id, {s.request_id: SampledToken(token)
+            sched.update(plan, StepResult(plan.step_id, {s.request_id: token
                                                          for s in plan.seqs if s.sample}))
             if ids is not None:  # the chunk that samples
                 break
@@ -84,7 +84,7 @@ def test_the_worker_masks_are_those_of_a_rebuilt_matcher(tokenizer_json) -> None
         plan = sched.schedule()
         seqs = [s for s in plan.seqs if s.sample]
         rows, masks = worker.masks(seqs) or ([], None)
-        sampled = {s.request_id: SampledToken(1) for s in seqs}  # "other": anything
+        sampled = {s.request_id: 1 for s in seqs}  # "other": anything
         for i, row in enumerate(rows):
             seq = seqs[row]
             assert len(seq.output_token_ids) <= 1 or seq.num_generated == len(
@@ -99,8 +99,8 @@ def test_the_worker_masks_are_those_of_a_rebuilt_matcher(tokenizer_json) -> None
             allowed = np.flatnonzero(np.unpackbits(
                 masks[i].view(np.uint8), bitorder="little"))
             choices = [t for t in allowed if t not in eos] or list(allowed)
-            sampled[seq.request_id] = SampledToken(int(rng.choice(choices)))
-        worker.advance(seqs, [sampled[s.request_id].token_id for s in seqs])
+            sampled[seq.request_id] = int(rng.choice(choices))
+        worker.advance(seqs, [sampled[s.request_id] for s in seqs])
         for out in sched.update(plan, StepResult(plan.step_id, sampled)):
             if out.request_id in sent:
                 sent[out.request_id] += out.new_token_ids
@@ -131,7 +131,7 @@ def test_a_worker_without_the_matcher_and_only_the_last_id_says_so(tokenizer_jso
     sched.add_request(req("a", prompt_len=8, max_tokens=50, **GRAMMAR))
     for _ in range(3):
         plan = sched.schedule()
-        sched.update(plan, StepResult(plan.step_id, {"a": SampledToken(28)}))
+        sched.update(plan, StepResult(plan.step_id, {"a": 28}))
     plan = sched.schedule()
     assert len(carried(plan, "a")) == 1
     with pytest.raises(ValueError, match="from token 2.*gone"):

@@ -17,7 +17,7 @@ from sluice.actors.scheduler import (
     TooLong,
 )
 from sluice.actors.scheduler.config import ConfigError
-from sluice.actors.scheduler.plan import SampledToken, StepResult
+from sluice.actors.scheduler.plan import StepResult
 from sluice.ipc.vocabulary import SamplingParams
 from sluice.ipc.vocabulary import FinishReason, RejectCode
 
@@ -172,7 +172,7 @@ def test_missing_sample_fails_only_that_request(make_sched):
     sched.add_request(req("a"))
     sched.add_request(req("b", first=50))
     plan = sched.schedule()
-    outputs = sched.update(plan, StepResult(plan.step_id, {"b": SampledToken(3)}))
+    outputs = sched.update(plan, StepResult(plan.step_id, {"b": 3}))
     by_id = {o.request_id: o for o in outputs}
     assert by_id["a"].finish_reason is FinishReason.ERROR and by_id["b"].new_token_ids == [3]
     sched.check_invariants()

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from support.scheduler import FakeClock
 
 from sluice.actors.scheduler import AdmissionError, Request, Scheduler, SchedulerConfig
-from sluice.actors.scheduler.plan import SampledToken, StepResult
+from sluice.actors.scheduler.plan import StepResult
 from sluice.ipc.vocabulary import SamplingParams
 
 EOS = 2
@@ -107,7 +107,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert len(seq.block_table) * 4 >= seq.start_pos + len(seq.token_ids)
             self.clock.now += elapsed
             sampled = {
-                s.request_id: SampledToken(tokens[i % len(tokens)])
+                s.request_id: tokens[i % len(tokens)]
                 for i, s in enumerate(plan.seqs)
                 if s.sample
             }
@@ -160,7 +160,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             plan = self.sched.schedule()
             self.clock.now += 0.5
-            sampled = {s.request_id: SampledToken(6) for s in plan.seqs if s.sample}
+            sampled = {s.request_id: 6 for s in plan.seqs if s.sample}
             self._record(self.sched.update(plan, StepResult(plan.step_id, sampled)))
             self.sched.check_invariants()
         assert not self.sched.has_unfinished(), "requests never finished"

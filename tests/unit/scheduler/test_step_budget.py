@@ -7,14 +7,14 @@ from __future__ import annotations
 from support.scheduler import req, step
 
 from sluice.actors.scheduler import SchedulerConfig
-from sluice.actors.scheduler.plan import SampledToken, StepPlan, StepResult
+from sluice.actors.scheduler.plan import StepPlan, StepResult
 from sluice.actors.scheduler.step_budget import MIN_CHUNK, StepBudget
 
 
 def by_position(plan: StepPlan) -> StepResult:
     """A model whose next token depends only on the request and how far it got."""
     return StepResult(plan.step_id, {
-        s.request_id: SampledToken(int(s.request_id[1:]) * 100 + s.num_generated)
+        s.request_id: int(s.request_id[1:]) * 100 + s.num_generated
         for s in plan.seqs if s.sample})
 
 
@@ -68,7 +68,7 @@ def test_a_step_not_run_is_planned_again_from_the_same_tokens_and_ends_the_same(
             plan = sched.schedule(budget.next(len(sched.running) - len(sched.prefilling)))
             if steps == out_of_memory_at:
                 computed = {rid: r.num_computed_tokens for rid, r in sched.requests.items()}
-                assert sched.step_not_run(plan) == [] and budget.out_of_memory(plan.num_tokens)
+                assert not sched.step_not_run(plan) and budget.out_of_memory(plan.num_tokens)
                 sched.check_invariants()
                 assert computed == {rid: r.num_computed_tokens
                                     for rid, r in sched.requests.items()}
@@ -95,7 +95,7 @@ def test_a_decode_step_not_run_is_planned_again_the_same(make_sched):
     plan, _ = step(sched)
     assert plan.seqs
     plan = sched.schedule()
-    assert sched.step_not_run(plan) == []
+    assert not sched.step_not_run(plan)
     sched.check_invariants()
     again = sched.schedule()
     assert [(s.request_id, s.start_pos, s.token_ids) for s in again.seqs] == [
