@@ -3,7 +3,9 @@
 Every system gets the same token ids, the same weights (the embedded SmolLM2 GGUF unless
 `--model` says otherwise) and the same thread count; each is timed from its first submitted
 request to its last finished one, after a small warm-up, model loading excluded. `sluice`
-runs at the engine's default dtype, `sluice-fp32` in float32, transformers in `--dtype`
+runs at the engine's default dtype, `sluice-fp32` in float32 (`sluice-det` and
+`sluice-fp32-det`, run only when named, are the same in the deterministic mode, for its
+cost), transformers in `--dtype`
 (float32 unless told otherwise), llama.cpp on the GGUF's own quantized weights. Greedy by
 default, or sampled with `--temperature`/`--top-p` (seeded per request); EOS ignored;
 per-request output lengths. The same run measures this machine's peak matmul rate in every
@@ -41,7 +43,9 @@ import torch
 
 SYSTEMS = ("sluice", "sluice-fp32", "transformers-static-8", "transformers-static-32",
            "transformers-cb", "llama-cpp")
-SLUICE_SYSTEMS = ("sluice", "sluice-fp32")
+# the engine's deterministic mode: named in --systems only, never run by default
+DETERMINISTIC_SYSTEMS = ("sluice-det", "sluice-fp32-det")
+SLUICE_SYSTEMS = ("sluice", "sluice-fp32", *DETERMINISTIC_SYSTEMS)
 PROMPT_MIN, PROMPT_MAX = 16, 512
 OUTPUT_MIN, OUTPUT_MAX = 16, 128
 # log-normal prompt lengths; with the default seed 64 requests come to about 11k prompt tokens
@@ -363,7 +367,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="llama.cpp's parallel sequences (its server's -np; default: the "
                              "best measured here)")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="comma-separated subset of " + ", ".join(SYSTEMS))
+                        help="comma-separated subset of " + ", ".join(SYSTEMS)
+                        + " (default: all), or " + ", ".join(DETERMINISTIC_SYSTEMS))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads for every system (default: all cores)")
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
@@ -375,9 +380,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "and exit")
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s not in SYSTEMS]
+    unknown = [s for s in args.systems if s not in (*SYSTEMS, *DETERMINISTIC_SYSTEMS)]
     if unknown or not args.systems:
-        parser.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+        parser.error(f"--systems: unknown {unknown}; choose from "
+                     f"{', '.join((*SYSTEMS, *DETERMINISTIC_SYSTEMS))}")
     if args.requests < 1:
         parser.error("--requests must be >= 1")
     if args.threads < 1:
@@ -435,8 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from sluice.actors.engine import Engine
 
-            engine = (Engine(model=args.model) if system == "sluice"
-                      else Engine(model=args.model, dtype="float32"))
+            engine = Engine(model=args.model,
+                            dtype="float32" if system.startswith("sluice-fp32") else "auto",
+                            deterministic=system in DETERMINISTIC_SYSTEMS)
             dtype_name = str(engine.runner.model.dtype).removeprefix("torch.")
             result = run_sluice(engine, workload, sampling, system, profile=args.profile)
             results.append(result)
