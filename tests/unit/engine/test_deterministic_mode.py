@@ -6,6 +6,7 @@ happen not to."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -24,6 +25,11 @@ CONFIG = ModelConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, nu
 # chunks of 16, 16 and 3; its first 32 tokens are two whole cached blocks. The 3 tokens
 # left take another attention path than a whole prompt's, outside the mode
 PROMPT_TOKENS = 35
+# experts, a sliding window on one layer of two and soft-capped scores: the other code paths
+FEATURES = dataclasses.replace(CONFIG, num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=64, sliding_window=20,
+                               layer_types=("sliding_attention", "full_attention"),
+                               attn_softcap=30.0, qk_norm=True)
 NEW_TOKENS = 6
 OTHERS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -161,9 +167,11 @@ def _last_logits(runner: ModelRunner) -> dict[str, torch.Tensor]:
     return ways
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_logits_are_bitwise_the_same_however_the_step_is_made(dtype, tokenizer):
-    model = LlamaModel.random(CONFIG, dtype=getattr(torch, dtype), seed=5)
+@pytest.mark.parametrize("dtype, config", [("bfloat16", CONFIG), ("float32", CONFIG),
+                                           ("float32", FEATURES)],
+                         ids=["bfloat16", "float32", "float32-moe-window-softcap"])
+def test_logits_are_bitwise_the_same_however_the_step_is_made(dtype, config, tokenizer):
+    model = LlamaModel.random(config, dtype=getattr(torch, dtype), seed=5)
     runner = ModelRunner(model=model, num_blocks=64, block_size=16, deterministic=True)
     ways = _last_logits(runner)
     prompt_ways = {k: v for k, v in ways.items() if not k.startswith("decode")}
