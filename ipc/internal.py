@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -55,6 +56,28 @@ def _converter(hint: Any) -> _Convert | None:
     return None
 
 
+def _values_of(names: tuple[str, ...]) -> Callable[[Any], tuple]:
+    """A function that reads the named attributes of an object, as a tuple."""
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    if names:
+        name = names[0]
+        return lambda obj: (getattr(obj, name),)
+    return lambda obj: ()
+
+
+_PLAIN = (int, float, str, bytes, bool, type(None))
+
+
+def _plain(hint: Any) -> bool:
+    """Whether a field of this type holds msgpack's own values only (no registered object
+    that `_pack_field` could group)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType, tuple, list, set, frozenset):
+        return all(_plain(arg) for arg in typing.get_args(hint) if arg is not Ellipsis)
+    return hint in _PLAIN or (isinstance(hint, type) and issubclass(hint, enum.Enum))
+
+
 class _Type:
     def __init__(self, cls: type, tag: int):
         self.cls = cls
@@ -68,18 +91,22 @@ class _Type:
             for i, name in enumerate(self.names)
             if (convert := _converter(hints[name])) is not None
         )
+        # the fields that may hold a sequence of registered objects, packed as one group
+        self.grouped = tuple(i for i, name in enumerate(self.names) if not _plain(hints[name]))
+        self.values: Callable[[Any], tuple] = _values_of(self.names)
 
     def build(self, packed: Any) -> Any:
         """The object from what `InternalCodec` packed for it."""
         if self.compact:
             return self.cls.from_plain(packed)
-        values = list(packed)
-        for i, convert in self.converters:
-            values[i] = convert(values[i])
+        if self.converters:
+            packed = list(packed)
+            for i, convert in self.converters:
+                packed[i] = convert(packed[i])
         # Trusted data from a peer actor: fill the fields directly instead of re-running
         # `__init__` and its checks, which the sender's object already passed.
         obj = object.__new__(self.cls)
-        obj.__dict__.update(zip(self.names, values))
+        obj.__dict__.update(zip(self.names, packed))
         return obj
 
 
@@ -140,8 +167,13 @@ class InternalCodec:
     def _pack_fields(self, entry: _Type, obj: Any) -> Any:
         if entry.compact:
             return obj.to_plain()
-        fields = obj.__dict__
-        return [self._pack_field(fields[name]) for name in entry.names]
+        values = entry.values(obj)
+        if not entry.grouped:
+            return values
+        values = list(values)
+        for i in entry.grouped:
+            values[i] = self._pack_field(values[i])
+        return values
 
     def _pack_field(self, value: Any) -> Any:
         # A sequence of one registered type (a step's outputs, a run of chunks) is packed as

@@ -164,6 +164,7 @@ class SamplingParams:
         fields["logit_bias_ids"] = tuple(fields["logit_bias_ids"])
         fields["logit_bias_values"] = tuple(fields["logit_bias_values"])
         params.__dict__.update(fields)
+        params.__dict__["plain"] = tuple(fields.values())  # its compact form, for the next hop
         return params
 
     @classmethod
