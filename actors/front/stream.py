@@ -220,34 +220,42 @@ class Stream(Actor):
     # -- from the tokenizer -----------------------------------------------------------------
 
     async def on_deliver(self, msg: am.Deliver) -> None:
-        requests, send, chunk = self.requests, self.outgoing.append, m.Chunk
-        for item in msg.messages:
-            request = requests.get(item.request_id)
+        for item in msg.before:
+            self._take(item)
+        requests, send = self.requests, self.outgoing.append
+        for chunk in msg.chunks():
+            request = requests.get(chunk.request_id)
             if request is None:  # ended already (cancelled, failed); late output is dropped
-                if self.abandoned:
-                    self._late_end(item)
                 continue
-            if type(item) is chunk:
-                if request.credits > 0 and not request.buffer and request.paused_since is None:
-                    request.credits -= 1  # the common case: nothing waits, a credit is there
-                    if not request.first_sent and item.token_ids:
-                        request.first_sent = time.monotonic()
-                    send(item)
-                    continue
-                request.buffer.append(item)
-                self._flush(request)
-            elif isinstance(item, m.Finished):
-                if item.reason in _ABORTED:
-                    request.buffer.clear()
-                request.finished = item
-                self._flush(request)
-            elif isinstance(item, m.Rejected):
-                del self.requests[item.request_id]
-                self._reject(item)
-            elif isinstance(item, am.Ending):
-                request.cost = item
-            else:  # Accepted, Error
-                self._send(item)
+            if request.credits > 0 and not request.buffer and request.paused_since is None:
+                request.credits -= 1  # the common case: nothing waits, a credit is there
+                if not request.first_sent and chunk.token_ids:
+                    request.first_sent = time.monotonic()
+                send(chunk)
+                continue
+            request.buffer.append(chunk)
+            self._flush(request)
+        for item in msg.after:
+            self._take(item)
+
+    def _take(self, item: object) -> None:
+        """One message of a `Deliver` that is not a chunk."""
+        request = self.requests.get(item.request_id)
+        if request is None:  # ended already (cancelled, failed); late output is dropped
+            if self.abandoned:
+                self._late_end(item)
+        elif isinstance(item, m.Finished):
+            if item.reason in _ABORTED:
+                request.buffer.clear()
+            request.finished = item
+            self._flush(request)
+        elif isinstance(item, m.Rejected):
+            del self.requests[item.request_id]
+            self._reject(item)
+        elif isinstance(item, am.Ending):
+            request.cost = item
+        else:  # Accepted, Error
+            self._send(item)
 
     # -- connection lifetime ------------------------------------------------------------------
 

@@ -1,7 +1,6 @@
 """Messages between the actors of one daemon: never on the wire, never in the client package.
 
-They travel over `inproc://` sockets with `sluice.ipc.internal`'s codec (or are handed over
-as they are, see `sluice.actors.runtime.base`), and carry the wire's own values where they pass one
+They travel over `inproc://` sockets with `sluice.ipc.internal`'s codec, and carry the wire's own values where they pass one
 along (a client's `Generate`, the `Chunk`s and `Finished` for a connection, a status report).
 An actor is named in a message by the address of its inbox, never by an object. The step
 plan and result the Scheduler and the worker exchange are the scheduler core's types
@@ -14,6 +13,8 @@ the client library and the console speak without importing anything of the daemo
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from sluice.actors.runtime.reports import (
@@ -24,7 +25,7 @@ from sluice.actors.scheduler.plan import RequestCost, StepOutputs as CoreStepOut
 from sluice.ipc.messages import (
     Accepted, CancelCommand, Chunk, CommandReply, ControlSnapshot, DrainCommand, Error,
     Finished, GatewayStats, Generate, InjectFault, ReconcileCommand, RecoverCommand, Rejected,
-    ResumeCommand, StatusQuery, StatusReport, Subscribe, TenantSet,
+    ResumeCommand, StatusQuery, StatusReport, Subscribe, TenantSet, TokenLogprobs,
 )  # fmt: skip
 from sluice.ipc.vocabulary import FinishReason, RejectCode, SamplingParams
 
@@ -222,9 +223,70 @@ class ReopenUsageLog:
 
 @dataclass(frozen=True)
 class Deliver:
-    """Tokenizer -> Stream: wire messages for one connection, in order."""
+    """Tokenizer -> Stream: what one handled message made for one connection, in three parts,
+    each in order: `before` (the `Accepted` of requests admitted), the chunks as columns
+    (chunk i is request `request_ids[i]`'s `texts[i]`, of tokens `token_ids[i]`, with
+    `logprobs[i]` when any chunk has logprobs), then `after` (the rest: a request's `Error`,
+    `Ending`, `Finished`, a `Rejected`). A request's chunks come after its `Accepted` and
+    before its end, so this order is the one they were made in, as far as each request can
+    tell. Build one with `Delivery`."""
 
-    messages: tuple[ToClient, ...]
+    request_ids: tuple[str, ...] = ()
+    texts: tuple[str, ...] = ()
+    token_ids: tuple[tuple[int, ...], ...] = ()
+    logprobs: tuple[tuple[TokenLogprobs, ...] | None, ...] | None = None
+    before: tuple[Accepted, ...] = ()
+    after: tuple[ToClient, ...] = ()
+
+    @classmethod
+    def of(cls, messages: Iterable[ToClient]) -> Deliver:
+        delivery = Delivery()
+        delivery.extend(messages)
+        return delivery.message()
+
+    def chunks(self) -> Iterator[Chunk]:
+        """The chunks, as the wire's `Chunk`s."""
+        logprobs = self.logprobs or itertools.repeat(None)
+        return map(Chunk, self.request_ids, self.texts, self.token_ids, logprobs)
+
+
+class Delivery:
+    """The parts of one `Deliver`, filled message by message."""
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+        self.texts: list[str] = []
+        self.token_ids: list[tuple[int, ...]] = []
+        self.logprobs: list[tuple[TokenLogprobs, ...] | None] = []
+        self.any_logprobs = False
+        self.before: list[Accepted] = []
+        self.after: list[ToClient] = []
+
+    def chunk(self, request_id: str, text: str, token_ids: tuple[int, ...],
+              logprobs: tuple[TokenLogprobs, ...] | None = None) -> None:
+        self.request_ids.append(request_id)
+        self.texts.append(text)
+        self.token_ids.append(token_ids)
+        self.logprobs.append(logprobs)
+        if logprobs is not None:
+            self.any_logprobs = True
+
+    def append(self, msg: ToClient) -> None:
+        if type(msg) is Chunk:
+            self.chunk(msg.request_id, msg.text, msg.token_ids, msg.logprobs)
+        elif type(msg) is Accepted:
+            self.before.append(msg)
+        else:
+            self.after.append(msg)
+
+    def extend(self, messages: Iterable[ToClient]) -> None:
+        for msg in messages:
+            self.append(msg)
+
+    def message(self) -> Deliver:
+        return Deliver(tuple(self.request_ids), tuple(self.texts), tuple(self.token_ids),
+                       tuple(self.logprobs) if self.any_logprobs else None,
+                       tuple(self.before), tuple(self.after))
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,7 @@ class Tokenizer(Actor):
 
     def reset(self) -> None:
         self.in_hand: am.Encode | None = None  # the request being tokenized, for on_crash
-        self.deliveries: dict[str, list] = {}  # stream address -> messages
+        self.deliveries: dict[str, am.Delivery] = {}  # stream address -> its next Deliver
         self.records: list = []  # usage records of unattended requests, sent after the message
         self.unhandled = StepOutputs()  # the outputs of the step being rendered
         # ... and the index of the one in hand: a row of its columns, then past them its
@@ -464,8 +464,8 @@ class Tokenizer(Actor):
                     continue
                 sent = deliveries.get(state.reply_to)
                 if sent is None:
-                    sent = deliveries[state.reply_to] = []
-                sent.append(m.Chunk(state.client_id, rendered.push_one(token_id), (token_id,)))
+                    sent = deliveries[state.reply_to] = am.Delivery()
+                sent.chunk(state.client_id, rendered.push_one(token_id), (token_id,))
                 if rendered.stopped:
                     self.scheduler.put(am.StopMatched(rid))
             whole = outputs.outputs
@@ -478,8 +478,11 @@ class Tokenizer(Actor):
             self.handling = i  # the output in hand: its request is the one that ends
             raise
 
-    def _outbox(self, reply_to: str) -> list:
-        return self.deliveries.setdefault(reply_to, [])
+    def _outbox(self, reply_to: str) -> am.Delivery:
+        sent = self.deliveries.get(reply_to)
+        if sent is None:
+            sent = self.deliveries[reply_to] = am.Delivery()
+        return sent
 
     def _end(self, request_id: str) -> _Detok | None:
         state = self.requests.pop(request_id, None)
@@ -494,12 +497,12 @@ class Tokenizer(Actor):
     def _deliver(self) -> None:
         deliveries, self.deliveries = self.deliveries, {}
         for address, items in deliveries.items():
-            self.streams.put(address, am.Deliver(tuple(items)))
+            self.streams.put(address, items.message())
             if self.stream_users[address] <= 0:  # its last request ended: hang up
                 del self.stream_users[address]
                 self.streams.forget(address)
 
-    def _render(self, out, state: _Detok, sent: list) -> None:
+    def _render(self, out, state: _Detok, sent: am.Delivery) -> None:
         rendered = state.text
         if rendered.stopped:  # its text ended at a stop string: only its end is awaited
             if out.finished:
@@ -508,7 +511,7 @@ class Tokenizer(Actor):
         if out.new_token_ids:
             text = rendered.push(out.new_token_ids)
             logprobs = rendered.logprobs(out.logprobs) if out.logprobs else None
-            sent.append(m.Chunk(state.client_id, text, tuple(out.new_token_ids), logprobs))
+            sent.chunk(state.client_id, text, tuple(out.new_token_ids), logprobs)
             if rendered.stopped:
                 if out.finished:  # it ended in the core with this very token
                     self._finish(out, state, m.FinishReason.STOP, sent)
@@ -523,7 +526,7 @@ class Tokenizer(Actor):
                 sent.append(m.Error(state.client_id, out.error or FAILED_IN_DAEMON))
             self._finish(out, state, reason, sent)
 
-    def _finish(self, out, state: _Detok, reason: m.FinishReason, sent: list) -> None:
+    def _finish(self, out, state: _Detok, reason: m.FinishReason, sent: am.Delivery) -> None:
         """The request's end: its `Ending` and `Finished` to the Stream (and its usage record
         made here when the Stream no longer waits for it)."""
         cost = out.cost

@@ -57,7 +57,7 @@ class Harness:
         return encode.request_id
 
     async def deliver(self, *items) -> None:
-        await self.tell(am.Deliver(tuple(items)))
+        await self.tell(am.Deliver.of(items))
 
 
 def chunk(text: str, token: int, rid: str = "r") -> m.Chunk:
@@ -168,10 +168,10 @@ async def test_generate_and_cancel_leave_in_order_on_one_route(autojump_clock, n
 
 async def test_a_crash_mid_message_still_sends_the_ends_made_before_it(autojump_clock) -> None:
     class FaultyStream(Stream):
-        def _apply_watermarks(self, request) -> None:
+        def _ended(self, request, finished):
             if request.client_id == "b":
                 raise RuntimeError("injected stream fault")
-            super()._apply_watermarks(request)
+            return super()._ended(request, finished)
 
     gateway, tokenizer = Inbox("g"), Inbox("t")
     stream = FaultyStream(b"conn", config=CONFIG, codec=Codec(), gateway=gateway,
@@ -184,8 +184,9 @@ async def test_a_crash_mid_message_still_sends_the_ends_made_before_it(autojump_
         stream.inbox.put(m.Generate("b", prompt="x", credits=0))
         await trio.testing.wait_all_tasks_blocked()
         drain(tokenizer)
-        # a ends; then b's chunk, waiting for a credit, crashes the stream
-        stream.inbox.put(am.Deliver((m.Finished("a", m.FinishReason.LENGTH), chunk("t", 1, "b"))))
+        # a ends; then b's end crashes the stream
+        stream.inbox.put(am.Deliver.of((m.Finished("a", m.FinishReason.LENGTH),
+                                        m.Finished("b", m.FinishReason.LENGTH))))
         await trio.sleep(1)
         ends = {msg.request_id: msg.reason for msg in sent_to_client(gateway)
                 if isinstance(msg, m.Finished)}
