@@ -20,10 +20,6 @@ import torch  # noqa: E402
 
 pytest_plugins = ["support.fixtures"]
 
-# every message one actor hands another without encoding it is checked to be immutable
-# (`sluice.actors.runtime.base.HANDED_OVER`), in this process and in the daemons tests start
-os.environ["SLUICE_CHECK_HANDED_OVER"] = "1"
-
 if not torch.cuda.is_available():
     # without a GPU Triton kernels only run in its interpreter, which must be chosen before
     # triton is first imported by any test module

@@ -51,7 +51,7 @@ import structlog
 import trio
 import zmq
 
-from sluice.actors.front.intake import GrammarBusy, GrammarChecks
+from sluice.actors.front.intake import GrammarBusy, GrammarChecks, check_generate
 from sluice.actors.front.limits import Limits
 from sluice.actors.runtime import messages as am
 from sluice.actors.http import openai_api as api
@@ -547,7 +547,18 @@ class HttpFront(Actor):
         exchange.first_token = first_token
         self.router.routes[request_id] = replies  # removed below, however the exchange ends
         try:
-            stream.inbox.put(request.generate)
+            # the Stream's own intake checks, here first: its inbox carries only what fits
+            if (refused := check_generate(request.generate, self.limits)) is not None:
+                raise api.rejected_error(refused, self.settings.retry_after)
+            try:
+                stream.inbox.put(request.generate)
+            except TypeError as exc:
+                # a value the checks above let through that no socket between actors carries:
+                # this request fails, not the front
+                log.error("request failed in the HTTP front", error=repr(exc))
+                raise api.ended_error(
+                    m.FinishReason.ERROR, "the request failed in the HTTP front: its values "
+                    "cannot be carried between the daemon's actors") from None
             ended: api.ApiError | ClientGone | None = None
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)

@@ -27,7 +27,7 @@ from typing import Any
 from sluice.actors.front.limits import Limits
 from sluice.ipc import messages as m
 from sluice.ipc.vocabulary import (
-    FinishReason, InvalidParams, RejectCode, SamplingParams, choice_seed, shown,
+    INT64_MAX, FinishReason, InvalidParams, RejectCode, SamplingParams, choice_seed, shown,
 )
 
 # refused by name: a client that relies on one of them must not get a silent wrong answer
@@ -184,6 +184,8 @@ def completion_request(body: dict[str, Any], *, request_id: str, tenant: str, cr
                        f"max_model_len {max_model_len}", param="prompt",
                        code="context_length_exceeded")
     if isinstance(prompt, list) and all(_is_int(token) for token in prompt):
+        if prompt and not (-INT64_MAX - 1 <= min(prompt) and max(prompt) <= INT64_MAX):
+            raise invalid("prompt", "a token id does not fit in 64 bits")
         return _request(body, request_id, tenant, credits, max_model_len, limits, chat=False,
                         prompt_ids=tuple(prompt))
     raise invalid("prompt", "must be a string or a list of token ids (one prompt per request)")

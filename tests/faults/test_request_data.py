@@ -215,8 +215,8 @@ async def test_a_prompt_of_millions_of_ids_is_refused_by_its_length(null_daemon)
 async def test_a_request_whose_values_cannot_reach_the_worker_ends_alone(
         null_daemon, monkeypatch) -> None:
     """The last line of defence: with the edge's range checks gone, a seed no wire carries
-    gets as far as the plan for the worker; that request ends with an error, its KV freed,
-    and the Scheduler, with every other request, goes on without a restart."""
+    gets as far as the first socket between actors; that request ends with an error, and
+    the front, with every other request, goes on without a restart."""
     handle = await http_daemon(null_daemon)
     monkeypatch.setattr(SamplingParams, "validate", lambda self: None)
     with trio.fail_after(60):
@@ -226,7 +226,7 @@ async def test_a_request_whose_values_cannot_reach_the_worker_ends_alone(
                 status, answer = await post(handle, "/v1/completions", {
                     "model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": BIG})
                 assert (status, answer["error"]["code"]) == (500, "error"), answer
-                assert "failed in the scheduler" in answer["error"]["message"]
+                assert "failed in the HTTP front" in answer["error"]["message"]
             await finishes_normally(running)
             status, answer = await post(handle, "/v1/completions", {
                 "model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": 7})
