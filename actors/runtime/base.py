@@ -104,10 +104,13 @@ class Outboxes:
 
 
 class Inbox(Outbox):
-    """The address of an actor: anything may `put` a message; only the actor receives."""
+    """The address of an actor: anything may `put` a message; only the actor receives.
 
-    def __init__(self, name: str):
-        super().__init__(f"inproc://sluice-{next(_addresses)}-{name}")
+    The address says where the actor runs: an `inproc://` one (the default) in this process,
+    an `ipc://` or `tcp://` one for actors of other processes to reach."""
+
+    def __init__(self, name: str, *, address: str | None = None):
+        super().__init__(address or f"inproc://sluice-{next(_addresses)}-{name}")
         self.name = name
         self.taken = 0
         self._in_a_row = 0

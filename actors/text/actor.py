@@ -52,7 +52,7 @@ import structlog
 import trio
 
 from sluice.actors.runtime import messages as am
-from sluice.actors.runtime.base import Actor, Handler, Inbox, Outboxes
+from sluice.actors.runtime.base import Actor, Handler, Inbox, Outbox, Outboxes
 from sluice.actors.front.intake import check_prompt_form, check_prompt_length
 from sluice.actors.front.limits import Limits, clip
 from sluice.actors.runtime.reports import BacklogGauge
@@ -156,9 +156,10 @@ def wire_field(core_field: str, prompt_field: str) -> str:
 class Tokenizer(Actor):
     name = "tokenizer"
 
-    def __init__(self, tokenizer, *, scheduler: Inbox, limits: Limits = Limits(),
-                 usage: Inbox | None = None, max_model_len: int | None = None):
-        super().__init__()
+    def __init__(self, tokenizer, *, scheduler: Outbox, limits: Limits = Limits(),
+                 usage: Outbox | None = None, max_model_len: int | None = None,
+                 inbox: Inbox | None = None):
+        super().__init__(inbox=inbox)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len  # the model's context, when known
         self.scheduler = scheduler
