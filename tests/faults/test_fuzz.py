@@ -27,7 +27,7 @@ from sluice.ipc.codec import Codec, CodecError
 from sluice.ipc.control import fetch_status
 from sluice.ipc.sockets import Socket
 
-MALFORMED = 100_000
+MALFORMED = 50_000
 DEALERS = 4
 oracle = Codec(m.CLIENT_MESSAGES)
 server_codec = Codec(m.SERVER_MESSAGES)

@@ -19,7 +19,7 @@ CONFIG = f"""
 num_blocks = 64
 threads = 1
 backoff_initial = 0.05
-step_timeout = 5.0
+step_timeout = 2.5
 debug_hang_token = {HANG}
 """
 
