@@ -27,7 +27,7 @@ import pytest
 import trio
 import zmq
 
-from support.daemon import RECORD, StartedDaemon, stop_checked
+from support.daemon import RECORD, StartedDaemon, http_get, samples, start_sluiced, stop_checked
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.codec import Codec
@@ -169,12 +169,22 @@ while time.monotonic() < end:  # connect, send 50 frames of garbage, leave
 
 
 async def test_a_churn_of_garbage_connections_holds_no_memory(
-        tmp_path, daemon_process, drained_and_consistent) -> None:
+        tmp_path, drained_and_consistent) -> None:
     config = tmp_path / "sluiced.toml"
     config.write_text(CHURN_CONFIG)
-    process, listen, control = daemon_process(
+    process, fields = start_sluiced(
         ["--executor", "null", "--config", str(config), "--listen", "tcp://127.0.0.1:0",
-         "--control", f"ipc://{tmp_path}/control.sock"], log=tmp_path / "sluiced.log")
+         "--control", f"ipc://{tmp_path}/control.sock", "--metrics-port", "0"],
+        log=tmp_path / "sluiced.log", log_level="warning")
+    try:
+        await _churn(process, fields, drained_and_consistent)
+    finally:
+        stop_checked(process, fields["control"])
+
+
+async def _churn(process: subprocess.Popen, fields: dict[str, str],
+                 drained_and_consistent) -> None:
+    listen, control = fields["listen"], fields["control"]
     with trio.fail_after(30):
         await served(listen, "warm up")
     before = rss_mb(process.pid)
@@ -196,8 +206,11 @@ async def test_a_churn_of_garbage_connections_holds_no_memory(
             churner.wait()
     peak = max(peak, rss_mb(process.pid))
     report = await fetch_status(control)
-    # it did churn: garbage came in, and past the inbound budget connections were refused
-    assert report.gateway.dropped_frames > 0 and finished > 0, report.gateway
+    # it did churn: garbage came in (answered `invalid`, or dropped once its sender had left),
+    # and past the inbound budget connections were refused
+    _, text = await http_get(int(fields["metrics"]), "/metrics")
+    invalid = samples(text).get(("sluice_requests_rejected_total", (("code", "invalid"),)), 0)
+    assert invalid + report.gateway.dropped_frames > 0 and finished > 0, report.gateway
     assert report.gateway.refused_connections > 1000, report.gateway
     assert peak - before < RSS_SLACK_MB, (before, peak, report.gateway)
     assert process.poll() is None
