@@ -16,7 +16,6 @@ Each test ends with the KV check.
 from __future__ import annotations
 
 import os
-import random
 import resource
 import selectors
 import signal
