@@ -378,7 +378,12 @@ class HttpFront(Actor):
             # a large body is parsed on a worker thread: megabytes of JSON would hold the
             # loop, and every other client's stream with it, for tens of milliseconds
             body = (api.parse_body(raw) if len(raw) <= PARSE_ON_LOOP_BYTES
-                    else await trio.to_thread.run_sync(api.parse_body, raw))
+                    else await trio.to_thread.run_sync(_parse_off_loop, raw))
+            if isinstance(body, api.ApiError):
+                try:
+                    raise body
+                finally:  # this frame, in the error's traceback, must not hold the error
+                    body = None
         with self.generations.hold(tenant):
             await self._generate(path == "/v1/chat/completions", body, tenant, receive, send)
 
@@ -408,11 +413,9 @@ class HttpFront(Actor):
 
     async def _read_body(self, scope: dict, receive: Callable) -> bytes:
         limit = self.settings.max_body_bytes
-        too_large = api.ApiError(413, f"the request body exceeds http.max_body_bytes = {limit}",
-                                 code="request_too_large")
         length = header(scope, b"content-length")
         if length.isdigit() and int(length) > limit:
-            raise too_large  # before a byte of it is read
+            raise _too_large(limit)  # before a byte of it is read
         parts, size = [], 0
         with trio.move_on_after(self.settings.read_timeout) as timer:
             while True:
@@ -421,7 +424,7 @@ class HttpFront(Actor):
                     raise ClientGone
                 size += len(event.get("body", b""))
                 if size > limit:
-                    raise too_large  # a chunked body: nothing more of it is read
+                    raise _too_large(limit)  # a chunked body: nothing more of it is read
                 parts.append(event.get("body", b""))
                 if not event.get("more_body", False):
                     break
@@ -607,3 +610,25 @@ class HttpFront(Actor):
             for stream in self.streams.values():
                 stream.inbox.put(m.Heartbeat())
             await trio.sleep(self.heartbeat_interval)
+
+
+# An exception that a frame in its own traceback holds (a local it was kept in) forms a
+# reference cycle with that frame, freed only by a full pass of the garbage collector (once a
+# minute, see daemon/heap.py): under a stream of refused requests that held every connection
+# of theirs, buffers and socket included, for up to a minute. Errors here are made where they
+# are raised, and none crosses trio's thread boundary raised (its outcome holds it so).
+
+def _too_large(limit: int) -> api.ApiError:
+    return api.ApiError(413, f"the request body exceeds http.max_body_bytes = {limit}",
+                        code="request_too_large")
+
+
+def _parse_off_loop(raw: bytes) -> dict | api.ApiError:
+    """`parse_body` on a worker thread: its error returned, not raised, and without the
+    error it replaced (whose traceback's frames lead back to this thread's, which hold this
+    one as their result)."""
+    try:
+        return api.parse_body(raw)
+    except api.ApiError as error:
+        error.__context__ = None
+        return error.with_traceback(None)

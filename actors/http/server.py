@@ -237,6 +237,15 @@ class Connection:
             self.connections.remove(self)
             with trio.CancelScope(shield=True):
                 await self._close()
+            self._forget()
+
+    def _forget(self) -> None:
+        """Drop what this connection holds once it is closed. Its protocol holds it back (its
+        `protocol_send`), and that cycle, with the connection's buffers and socket in it, was
+        freed only by a full collection of the garbage collector, which the daemon runs once
+        a minute: under a churn of HTTP clients that held hundreds of megabytes."""
+        self.__dict__.pop("protocol", None)
+        self.__dict__.pop("task_group", None)
 
     async def protocol_send(self, event: Event) -> None:
         if isinstance(event, RawData):
