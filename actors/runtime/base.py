@@ -19,7 +19,7 @@ import trio
 import zmq
 
 from sluice.actors.runtime.registry import CODEC
-from sluice.ipc.sockets import EVENTS, POLLIN, Socket, context
+from sluice.ipc.sockets import Socket, context
 
 log = structlog.get_logger("sluice.actors")
 
@@ -143,10 +143,12 @@ class Inbox(Outbox):
         return CODEC.decode(frame)
 
     async def _sleep(self) -> None:
-        """Until a message may be there. One task receives from an inbox, so it waits on the
-        socket's descriptor itself, once `EVENTS` (whose read re-arms the edge-triggered
-        descriptor) says that no message came since the failed take."""
-        if self._receiver.closed or self._receiver.zmq.get(EVENTS) & POLLIN:
+        """Until a message may be there, right after a take found none. One task receives
+        from an inbox, so it waits on the socket's descriptor itself. That failed take
+        processed the socket's pending commands and drained its descriptor, so the next
+        message signals it: no `EVENTS` read is needed to re-arm it (each costs a system
+        call, as much as the take itself)."""
+        if self._receiver.closed:
             return
         try:
             await trio.lowlevel.wait_readable(self._fd)
