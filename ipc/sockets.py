@@ -226,6 +226,14 @@ class Socket:
             if not wanting[mask]:
                 del wanting[mask]
 
+    def readable(self) -> bool:
+        """Whether a message is queued to receive, without taking it. Reading `EVENTS` may
+        consume the edge a task sleeps on: that task is woken when a message is there."""
+        if self._closed or not self.zmq.get(EVENTS) & POLLIN:
+            return False
+        self._wake_waiter()
+        return True
+
     def _wake_waiter(self) -> None:
         """After an operation: wake the task sleeping on the FD if `EVENTS` now shows what a
         waiting task waits for (the operation may have consumed that edge). Otherwise the FD

@@ -63,10 +63,14 @@ class Limits:
     # frames the ROUTER buffers for one client before that client is a slow peer
     peer_send_hwm: int = 1024
     # frames the ROUTER queues from one client before it stops reading that client's socket
-    peer_recv_hwm: int = 64
+    peer_recv_hwm: int = 16
     # client frames queued in the whole front at most: live connections and those gone whose
-    # frames are still queued count `peer_recv_hwm` each; past it new connections are shed
-    max_inbound_frames: int = 1 << 20
+    # frames are still queued count `peer_recv_hwm` each; past it new connections are shed.
+    # Those frames are held in ZeroMQ's memory, outside Python's: at 2^20 (the old default)
+    # a churn of connections sending small garbage, beside other load that slowed the
+    # gateway, grew the daemon by 400 MB in two minutes (and 1,024 connections' worth by
+    # 180 MB: each live connection holds ZeroMQ's buffers too); 256 connections' worth, 60 MB
+    max_inbound_frames: int = 1 << 12
     # seconds a client connection may stay open without a stream (no request, or its stream
     # ended): past it the listener closes it; at the connection cap the one idle longest is
     # closed first to make room for a newcomer

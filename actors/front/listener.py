@@ -119,6 +119,13 @@ class ListenerGuard:
         self.catch_up()  # the accepts and departures the I/O thread has reported so far
         if self.live + self.gone_unread <= self.inbound_connections:
             return True
+        if self.gone_unread and not self.router.readable():
+            # nothing queued: the gone peers' frames were all read. The gateway says so only
+            # when it looks and finds the socket empty, and it looks only when a frame comes:
+            # peers that left an idle daemon would keep every newcomer out for good
+            self.gone_unread = 0
+            if self.live <= self.inbound_connections:
+                return True
         oldest = self._idle_past_grace()
         if oldest is None:
             self.peers.refused_connections += 1

@@ -27,6 +27,7 @@ import trio
 import zmq
 
 from support.daemon import RECORD, StartedDaemon, http_get, samples, start_sluiced, stop_checked
+from sluice.actors.front.limits import Limits
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.codec import Codec
@@ -275,3 +276,45 @@ async def test_a_reconnect_storm_far_from_the_fd_limit_is_shed_not_braked(
             after = await client.generate("after the storm", max_tokens=3)
             assert (await after.collect()).finish_reason == "length"
     assert "client listener unbound" not in (tmp_path / "sluiced.log").read_text()
+
+
+async def test_the_default_inbound_budget_caps_what_connections_may_queue(null_daemon) -> None:
+    """With the shipped limits, no more connections than the inbound budget allows may queue
+    frames at once: those past it are refused at their handshake. Each holds ZeroMQ memory
+    outside Python's while the gateway falls behind; at the old budget of 2^20 frames a churn
+    of garbage-sending connections beside other load grew the daemon by 400 MB in minutes.
+    Once they leave, a newcomer gets in, though no frame came since to make the gateway look
+    at its socket (which is when it learns that their frames were all read)."""
+    limits = Limits()
+    budget = limits.inbound_connections()
+    assert budget * limits.peer_recv_hwm <= 1 << 12  # tens of MB of small frames at most
+    handle = await null_daemon()
+    context = zmq.Context()
+    context.set(zmq.MAX_SOCKETS, budget + 256)
+    heartbeat = client_codec.encode(m.Heartbeat())
+    peers = []
+    try:
+        with trio.fail_after(60):
+            for _ in range(budget + 100):  # each says something, so none is idle to evict
+                peer = context.socket(zmq.DEALER)
+                peer.setsockopt(zmq.LINGER, 0)
+                peer.connect(handle.listen)
+                peer.send(heartbeat)
+                peers.append(peer)
+            while (await fetch_status(handle.control)).gateway.refused_connections < 100:
+                for peer in peers:
+                    try:
+                        peer.send(heartbeat, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # refused at its handshake: nothing goes out
+                await trio.sleep(0.2)
+    finally:
+        for peer in peers:
+            peer.close()
+        context.term()
+    listener = handle.daemon.gateway.listener
+    with trio.fail_after(60):
+        while listener.live > 0:  # the daemon saw them all leave
+            await trio.sleep(0.05)
+        # more left than the budget holds, and nothing came since: a newcomer gets in
+        await served(handle.listen, "served after the crowd left")
