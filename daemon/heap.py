@@ -8,9 +8,13 @@ freed for reuse, so after a flood of connections the daemon looks as large as at
 peak for good, which reads like a leak to whoever watches it. `malloc_trim(0)` gives those
 pages back. It runs once a minute on a thread of its own (ctypes lets go of the GIL): walking
 a fragmented heap can take tens of milliseconds. Sooner when a churn left much free: every few
-seconds `mallinfo2` counts the heap's free bytes, and past `FREE_TRIM_BYTES` the pages go back
-then (a churn of strangers' connections leaves tens of megabytes free within seconds, bounded
-by what the front may hold at once, but no less resident for it). On a C library without
+seconds, when the resident size grew by `FREE_TRIM_BYTES` since the last trim and `mallinfo2`
+counts at least that much free, the pages go back then (a churn of strangers' connections
+leaves tens of megabytes free within seconds, bounded by what the front may hold at once, but
+no less resident for it). The trigger is the growth, not the free bytes alone: pages handed
+back still count as free, so a burst that takes them again and frees them again leaves the
+free count where it was, resident all the same (under a steady churn of connections the
+daemon looked 300 MB larger than it was until the minute's pass). On a C library without
 these calls (musl, macOS) this does nothing.
 
 The collector: everything loaded before serving (modules, the tokenizer, the model's facts)
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 from collections.abc import Callable
 
 import trio
@@ -89,23 +94,48 @@ def give_back_free_memory() -> bool:
     return True
 
 
+def resident_bytes() -> int | None:
+    """This process's resident memory, or None where `/proc` cannot say."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 async def give_back_periodically(interval: float = TRIM_INTERVAL_SECONDS,
                                  check: float = FREE_CHECK_SECONDS) -> None:
     """Until cancelled: every `interval` seconds collect every generation, then trim; every
-    `check` seconds meanwhile, trim if the free heap grew by `FREE_TRIM_BYTES` since the last
-    trim (free bytes a trim cannot hand back, between live ones, do not make it trim again)."""
-    last, left_free = trio.current_time(), 0
+    `check` seconds meanwhile, trim if, since the last trim, the free heap grew by
+    `FREE_TRIM_BYTES`, or the resident size did with at least that much of the heap free.
+    Free bytes a trim cannot hand back (between live ones) and live growth do not make it
+    trim again: each trim sets both marks."""
+    last, marks = trio.current_time(), (0, 0)
     while True:
         await trio.sleep(min(interval, check))
         if trio.current_time() - last >= interval:
             last = trio.current_time()
             gc.collect()
-        elif (await trio.to_thread.run_sync(free_heap_bytes) or 0) <= left_free + FREE_TRIM_BYTES:
+        elif not await _past_marks(*marks):
             continue
         if _MALLOC_TRIM is not None:
-            left_free = await trio.to_thread.run_sync(_trim_and_count)
+            marks = await trio.to_thread.run_sync(_trim_and_mark)
 
 
-def _trim_and_count() -> int:
+async def _past_marks(resident_mark: int, free_mark: int) -> bool:
+    resident = resident_bytes()
+    # counted on a thread: `mallinfo2` walks every arena's free lists
+    free = await trio.to_thread.run_sync(free_heap_bytes) or 0
+    if free > free_mark + FREE_TRIM_BYTES:
+        return True
+    grew = resident is not None and resident > resident_mark + FREE_TRIM_BYTES
+    return grew and free > FREE_TRIM_BYTES
+
+
+def _trim_and_mark() -> tuple[int, int]:
+    """Trim; the resident size and the free bytes after it."""
     give_back_free_memory()
-    return free_heap_bytes() or 0
+    return resident_bytes() or 0, free_heap_bytes() or 0

@@ -69,6 +69,47 @@ async def test_a_burst_freed_between_the_minute_passes_goes_back_within_a_check(
             libc.free(piece)
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallinfo2 is glibc's")
+async def test_a_burst_that_reused_pages_handed_back_goes_back_again():
+    """A trim leaves the pages it handed back counted as free: a second burst that takes
+    them again and frees them again leaves the heap's free bytes where they were, and its
+    pages must go back all the same (they stayed resident until the once-a-minute pass, so
+    a daemon under a steady churn of connections looked hundreds of MB larger than it was)."""
+    import trio
+
+    from sluice.daemon.heap import give_back_periodically
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    kept = [libc.malloc(4000) for _ in range(25_000)]  # holes between live ones, as above
+    for piece in kept:
+        ctypes.memset(piece, 1, 4000)
+    for i, piece in enumerate(kept):
+        if i % 16:
+            libc.free(piece)
+    kept = kept[::16]
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(give_back_periodically, 3600.0, 0.05)
+            for burst in range(2):
+                before = resident_mib()
+                with trio.move_on_after(10):  # the freed pages go back
+                    while resident_mib() > before - 60:
+                        await trio.sleep(0.05)
+                assert resident_mib() < before - 60, f"burst {burst}: freed pages stayed"
+                pieces = [libc.malloc(4000) for _ in range(23_000)]  # the holes, taken again
+                for piece in pieces:
+                    ctypes.memset(piece, 1, 4000)
+                await trio.sleep(0.2)
+                for piece in pieces:
+                    libc.free(piece)
+            nursery.cancel_scope.cancel()
+    finally:
+        for piece in kept:
+            libc.free(piece)
+
+
 def test_the_settled_collector_still_frees_a_cycle_once_allocations_pile_up():
     import gc
     import weakref
