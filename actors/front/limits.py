@@ -66,10 +66,10 @@ class Limits:
     peer_recv_hwm: int = 16
     # client frames queued in the whole front at most: live connections and those gone whose
     # frames are still queued count `peer_recv_hwm` each; past it new connections are shed.
-    # Those frames are held in ZeroMQ's memory, outside Python's: at 2^20 (the old default)
-    # a churn of connections sending small garbage, beside other load that slowed the
-    # gateway, grew the daemon by 400 MB in two minutes (and 1,024 connections' worth by
-    # 180 MB: each live connection holds ZeroMQ's buffers too); 256 connections' worth, 60 MB
+    # Those frames are held in ZeroMQ's memory, outside Python's, each pinning the 8 KB
+    # read buffer it arrived in: under a soak's hostile load (a churn of garbage-sending
+    # connections, floods, HTTP clients) the daemon grew by 400 MB at 2^20 (the old
+    # default), by about 300 MB at 1,024 connections' worth, and by under 100 MB at 256
     max_inbound_frames: int = 1 << 12
     # seconds a client connection may stay open without a stream (no request, or its stream
     # ended): past it the listener closes it; at the connection cap the one idle longest is
