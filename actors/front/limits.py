@@ -65,11 +65,10 @@ class Limits:
     # frames the ROUTER queues from one client before it stops reading that client's socket
     peer_recv_hwm: int = 16
     # client frames queued in the whole front at most: live connections and those gone whose
-    # frames are still queued count `peer_recv_hwm` each; past it new connections are shed.
-    # Those frames are held in ZeroMQ's memory, outside Python's, each pinning the 8 KB
-    # read buffer it arrived in: under a soak's hostile load (a churn of garbage-sending
-    # connections, floods, HTTP clients) the daemon grew by 400 MB at 2^20 (the old
-    # default), by about 300 MB at 1,024 connections' worth, and by under 100 MB at 256
+    # frames are still queued count `peer_recv_hwm` each; past it new connections are
+    # refused at their handshake. Those frames are held in ZeroMQ's memory, outside
+    # Python's, each pinning the read buffer it arrived in (18 KB with its counters): at
+    # the default that is 75 MB of small frames at most; the old default, 2^20, was GBs
     max_inbound_frames: int = 1 << 12
     # seconds a client connection may stay open without a stream (no request, or its stream
     # ended): past it the listener closes it; at the connection cap the one idle longest is

@@ -1,12 +1,15 @@
 """The client listener's connections: counted, and kept inside the descriptor and inbound budgets.
 
-The gateway watches its ROUTER's monitor events to count live connections. One accepted past
-the connection cap makes room by closing the connection idle longest (one that holds no stream
-and has sent nothing for a grace period), else is shed itself; only when shedding falls behind
-near the fd limit is the listener unbound and bound again, as a last resort. The inbound budget
-is kept at each connection's handshake, which waits for the gateway's ZAP answer: past the
-budget the connection is refused before any frame of it is queued, unless the one idle longest
-makes room. A connection that holds no stream and sends nothing for `idle_seconds` is closed (a
+The gateway watches its ROUTER's monitor events to count live connections. Both budgets are
+kept at each connection's handshake, which waits for the gateway's ZAP answer: a connection
+past the connection cap, or past the inbound budget, is refused there before any frame of it is
+queued, unless the connection idle longest (one that holds no stream and has sent nothing for a
+grace period) is closed to make room. A refusal at the handshake is final for a ZeroMQ client;
+a connection closed after it was accepted connects again within 100 ms, so shedding at the
+accept (a reconnect storm of every peer past the cap, each costing libzmq's I/O thread ~50 KB
+until the gateway's loop reaps it) is kept for when the descriptors run short. Only when
+shedding falls behind near the fd limit is the listener unbound and bound again, as a last
+resort. A connection that holds no stream and sends nothing for `idle_seconds` is closed (a
 ZeroMQ client connects again by itself when it has something to send). See
 docs/architecture.md, "The client edge".
 
@@ -56,6 +59,8 @@ class ListenerGuard:
         self.fd_reserve = fd_reserve  # descriptors short of the limit at which it brakes
         self._fds_counted = (0, float("-inf"), False)  # (live, when, near the limit) then
         self.live = 0  # accepted and not yet disconnected
+        # accepted past the cap, to be refused at their handshakes (at most `live - cap`)
+        self.over_cap = 0
         self.gone_unread = 0  # disconnected since the gateway last read its socket empty
         self.brakes = 0  # times the listener was unbound
         self.idle_closed = 0  # connections closed for holding no stream
@@ -117,6 +122,10 @@ class ListenerGuard:
         inbound budget, yes; past it, only if the connection idle longest past its grace is
         closed to make room. A connection refused here is counted as refused."""
         self.catch_up()  # the accepts and departures the I/O thread has reported so far
+        self.over_cap = min(self.over_cap, max(0, self.live - self.cap))
+        if self.over_cap:  # one of the connections accepted past the cap
+            self.over_cap -= 1
+            return self._room_from_idle()
         if self.live + self.gone_unread <= self.inbound_connections:
             return True
         if self.gone_unread and not self.router.readable():
@@ -126,6 +135,11 @@ class ListenerGuard:
             self.gone_unread = 0
             if self.live <= self.inbound_connections:
                 return True
+        return self._room_from_idle()
+
+    def _room_from_idle(self) -> bool:
+        """Close the connection idle longest past its grace, to let one in its handshake go
+        on; False (and that one counted as refused) if none is."""
         oldest = self._idle_past_grace()
         if oldest is None:
             self.peers.refused_connections += 1
@@ -142,10 +156,12 @@ class ListenerGuard:
                 self._idle.pop(value, None)
                 self._idle[value] = time.monotonic()
             if self.live > self.cap:
-                self._make_room(value)
-            if (self.live > self.cap + self.brake_margin and not self._braked
-                    and self._near_fd_limit()):
-                self._brake()
+                if not self._near_fd_limit():
+                    self.over_cap += 1  # refused at its handshake, for good
+                    return
+                self._make_room(value)  # descriptors are short: not a moment longer
+                if self.live > self.cap + self.brake_margin and not self._braked:
+                    self._brake()
         elif event == zmq.EVENT_DISCONNECTED:
             self.live = max(0, self.live - 1)
             self.gone_unread += 1
@@ -155,7 +171,7 @@ class ListenerGuard:
             self._local = _local_name(value)
         elif event == zmq.EVENT_CLOSED:
             # the listener closed and its connections with it, without an event each
-            self._local, self.live = None, 0
+            self._local, self.live, self.over_cap = None, 0, 0
             self._idle.clear()
             self._held.clear()
 

@@ -243,7 +243,8 @@ class Connection:
         """Drop what this connection holds once it is closed. Its protocol holds it back (its
         `protocol_send`), and that cycle, with the connection's buffers and socket in it, was
         freed only by a full collection of the garbage collector, which the daemon runs once
-        a minute: under a churn of HTTP clients that held hundreds of megabytes."""
+        a minute: under a soak's churn of HTTP clients, hundreds of closed connections were
+        waiting for it at any time."""
         self.__dict__.pop("protocol", None)
         self.__dict__.pop("task_group", None)
 
