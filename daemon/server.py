@@ -167,7 +167,8 @@ class Daemon:
             def make_stream(connection: bytes) -> Stream:
                 return Stream(connection, config=cfg.stream, codec=codec, gateway=gateway_inbox,
                               tokenizer=tokenizer_inbox, limits=cfg.limits, usage=usage_inbox,
-                              grammars=grammars)
+                              grammars=grammars,
+                              tenants_proven=cfg.auth.server_secret_key is not None)
 
             model_name = "embedded:" + self.model_path.name if cfg.model is None else str(cfg.model)
             if cfg.executor == "null":

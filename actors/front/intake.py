@@ -3,7 +3,7 @@
 `check_generate` compares a request with the intake `Limits` and returns the `Rejected` the
 client should get (or `None`); the Stream calls it before anything is held for the request.
 `GrammarChecks` says whether the engine can follow a request's grammar, in a child process
-that is killed when a check runs past its time limit, each tenant's checks one at a time: the
+that is killed when a check runs past its time limit, each sender's checks one at a time: the
 HTTP front asks it before a request goes on, and so does a ZeroMQ connection's Stream.
 `check_prompt_length` and `check_prompt_form` need the model and are the Tokenizer's to call.
 Sampling ranges are checked by `SamplingParams` as the codec builds it; checks that need the
@@ -86,7 +86,7 @@ def check_generate(msg: m.Generate, limits: Limits) -> m.Rejected | None:
 
 
 class GrammarBusy(Exception):
-    """A grammar check refused because its tenant has too many waiting: the request may be sent
+    """A grammar check refused because its sender has too many waiting: the request may be sent
     again later. `limit` names the limit (the field of a `Rejected`)."""
 
     def __init__(self, message: str, limit: str):
@@ -162,7 +162,7 @@ class _Checker:
 
 @dataclass(eq=False)
 class _Turn:
-    """A check waiting for its tenant's turn and a process."""
+    """A check waiting for its party's turn and a process."""
 
     given: trio.Event = field(default_factory=trio.Event)
     checker: _Checker | None = None  # the idle process it is handed, or None: it starts one
@@ -184,35 +184,38 @@ class GrammarChecks:
     processes, never on the event loop, and within `limits.max_grammar_compile_ms` counted
     from the moment its process starts on it: a check past the limit is a refusal, and its
     process is killed (a thread could only be abandoned, still running and holding its place)
-    and a new one started on the sender's time. A tenant's checks run one at a time, in its
-    order; the tenants waiting take the free processes in turn. So a tenant sending slow or
-    hostile grammars holds one process and waits behind itself, and a check of another tenant
-    waits for no more than one check of each tenant ahead of it in the turn. Past
-    `limits.max_grammar_checks_waiting` of one tenant's checks waiting, the next is refused
-    (`GrammarBusy`); a request whose grammar its tenant is checking already waits for that
-    check and holds no place. Good and bad grammars are remembered (`limits.max_cached_grammars`), so
-    each is checked once; one that ran out of time is not, as a retry may find it faster."""
+    and a new one started on the sender's time. Checks are taken in turns by *party*, the
+    sender as the front tells them apart (a tenant its key proves, else the client: its
+    address over HTTP, its connection over ZeroMQ; the label names it in a refusal). A party's
+    checks run one at a time, in its order; the parties waiting take the free processes in
+    turn. So a party sending slow or hostile grammars holds one process and waits behind
+    itself, and another's check waits for no more than one check of each party ahead of it in
+    the turn. Past `limits.max_grammar_checks_waiting` of one party's checks waiting, the next
+    is refused (`GrammarBusy`); a request whose grammar its party is checking already waits
+    for that check and holds no place. Good and bad grammars are remembered
+    (`limits.max_cached_grammars`), so each is checked once; one that ran out of time is not,
+    as a retry may find it faster."""
 
     def __init__(self, limits: Limits):
         self.limits = limits
         self.known = grammar.GrammarCache(limits.max_cached_grammars)
         self._idle: list[_Checker] = []
         self._processes = 0  # processes checking, idle or being started
-        self._running: set[str] = set()  # tenants with a check holding a process
-        # each tenant's checks waiting, in its order; the tenants in turn order (the first one
+        self._running: set[str] = set()  # parties with a check holding a process
+        # each party's checks waiting, in its order; the parties in turn order (the first one
         # not running is served next, and goes to the end if it has more waiting)
         self._waiting: dict[str, deque[_Turn]] = {}
-        # checks running or waiting, by (tenant, kind, text): one tenant's same grammar once
+        # checks running or waiting, by (party, kind, text): one party's same grammar once
         self._pending: dict[tuple[str, str, str], _Pending] = {}
         self.timed_out = 0  # checks ended at the time limit
 
-    async def problem(self, kind: str, text: str, tenant: str = "default") -> str:
-        """Why a request's grammar is refused, "" when it is not; `GrammarBusy` when `tenant`
-        has too many checks waiting. A grammar seen before is answered at once, without a
-        checkpoint."""
+    async def problem(self, kind: str, text: str, party: str = "tenant 'default'") -> str:
+        """Why a request's grammar is refused, "" when it is not; `GrammarBusy` when `party`
+        (see the class) has too many checks waiting. A grammar seen before is answered at
+        once, without a checkpoint."""
         error = self.known.get(kind, text)
         if error is None:
-            error = await self._shared_check(kind, text, tenant)
+            error = await self._shared_check(kind, text, party)
             if error is None:
                 return (f"checking the grammar took longer than "
                         f"limits.max_grammar_compile_ms = {self.limits.max_grammar_compile_ms}")
@@ -224,12 +227,12 @@ class GrammarChecks:
             self._idle.pop().close()
             self._processes -= 1
 
-    async def _shared_check(self, kind: str, text: str, tenant: str) -> str | None:
-        """`_check`'s answer. While one runs, the same tenant's requests with the same grammar
+    async def _shared_check(self, kind: str, text: str, party: str) -> str | None:
+        """`_check`'s answer. While one runs, the same party's requests with the same grammar
         wait for its answer, in no queue, rather than check it again (a client's burst of
-        requests with one new schema is one check); another tenant's check its own, so as
-        never to wait behind this tenant's turn."""
-        key = (tenant, kind, text)
+        requests with one new schema is one check); another party's check its own, so as
+        never to wait behind this party's turn."""
+        key = (party, kind, text)
         while (pending := self._pending.get(key)) is not None:
             await pending.done.wait()
             if pending.answered:
@@ -240,16 +243,16 @@ class GrammarChecks:
                 return known
         pending = self._pending[key] = _Pending()
         try:
-            pending.error = await self._check(kind, text, tenant)
+            pending.error = await self._check(kind, text, party)
             pending.answered = True
             return pending.error
         finally:
             del self._pending[key]
             pending.done.set()
 
-    async def _check(self, kind: str, text: str, tenant: str) -> str | None:
+    async def _check(self, kind: str, text: str, party: str) -> str | None:
         """The grammar's error ("" for none), or None when its check ran out of time."""
-        checker = await self._turn(tenant)
+        checker = await self._turn(party)
         try:
             known = self.known.get(kind, text)  # checked while this one waited
             if known is not None:
@@ -283,7 +286,7 @@ class GrammarChecks:
             self.known.put(kind, text, error)
             return error
         finally:
-            self._release(tenant, checker)
+            self._release(party, checker)
 
     async def _start(self) -> _Checker:
         try:
@@ -292,32 +295,32 @@ class GrammarChecks:
             raise GrammarBusy(f"the grammar could not be checked: {exc}",
                               "grammar_check_processes") from None
 
-    async def _turn(self, tenant: str) -> _Checker | None:
-        """Wait for `tenant`'s turn; then it holds a process: an idle one, or (None) the place
+    async def _turn(self, party: str) -> _Checker | None:
+        """Wait for `party`'s turn; then it holds a process: an idle one, or (None) the place
         of one it starts. `_release` gives it back."""
-        if tenant not in self._running and tenant not in self._waiting and self._free():
-            self._running.add(tenant)
+        if party not in self._running and party not in self._waiting and self._free():
+            self._running.add(party)
             return self._take()
-        queue = self._waiting.get(tenant)
+        queue = self._waiting.get(party)
         waiting = 0 if queue is None else len(queue)
         limit = self.limits.max_grammar_checks_waiting
         if waiting >= limit:
             raise GrammarBusy(
-                f"tenant {clip(tenant, self.limits)!r} has {waiting} grammar checks waiting, "
+                f"{clip(party, self.limits)} has {waiting} grammar checks waiting, "
                 f"limits.max_grammar_checks_waiting = {limit}; send it again later",
                 "max_grammar_checks_waiting")
         turn = _Turn()
-        self._waiting.setdefault(tenant, deque()).append(turn)
+        self._waiting.setdefault(party, deque()).append(turn)
         try:
             await turn.given.wait()
         except BaseException:
             if turn.given.is_set():  # handed a process as it was cancelled
-                self._release(tenant, turn.checker)
+                self._release(party, turn.checker)
             else:
-                queue = self._waiting[tenant]
+                queue = self._waiting[party]
                 queue.remove(turn)
                 if not queue:
-                    del self._waiting[tenant]
+                    del self._waiting[party]
             raise
         return turn.checker
 
@@ -330,25 +333,25 @@ class GrammarChecks:
         self._processes += 1
         return None
 
-    def _release(self, tenant: str, checker: _Checker | None) -> None:
-        """`tenant`'s turn ends; its process goes back (None: it has none, its place is free),
-        and the next tenant's check in the turn takes a process."""
-        self._running.discard(tenant)
-        if tenant in self._waiting:  # its next check goes after those of the others waiting
-            self._waiting[tenant] = self._waiting.pop(tenant)
+    def _release(self, party: str, checker: _Checker | None) -> None:
+        """`party`'s turn ends; its process goes back (None: it has none, its place is free),
+        and the next party's check in the turn takes a process."""
+        self._running.discard(party)
+        if party in self._waiting:  # its next check goes after those of the others waiting
+            self._waiting[party] = self._waiting.pop(party)
         if checker is not None:
             self._idle.append(checker)
         else:
             self._processes -= 1
         while self._free():
-            tenant = next((t for t in self._waiting if t not in self._running), None)
-            if tenant is None:
+            party = next((t for t in self._waiting if t not in self._running), None)
+            if party is None:
                 return
-            queue = self._waiting.pop(tenant)
+            queue = self._waiting.pop(party)
             turn = queue.popleft()
             if queue:
-                self._waiting[tenant] = queue  # the end of the turn
-            self._running.add(tenant)
+                self._waiting[party] = queue  # the end of the turn
+            self._running.add(party)
             turn.checker = self._take()
             turn.given.set()
 

@@ -97,6 +97,7 @@ class Stream(Actor):
         sink: ClientSink | None = None,
         usage: Outbox | None = None,
         grammars: GrammarChecks | None = None,
+        tenants_proven: bool = False,
     ):
         super().__init__(f"stream-{connection.hex()}")
         self.connection = connection
@@ -108,6 +109,10 @@ class Stream(Actor):
         self.usage = usage  # where usage records go
         # checks each request's grammar before it goes on; None: the front checked it already
         self.grammars = grammars
+        # whose turn this connection's grammar checks wait in: its tenant where a key proves
+        # it (CURVE), else the connection itself, so that strangers on the plain socket who
+        # all name `default` do not queue behind one another's slow grammars
+        self.grammar_party = None if tenants_proven else f"connection {connection.hex()}"
         self.usage_prefix = os.urandom(6).hex()  # with a count: ids unique across restarts
         self.usage_serial = 0
         self.closed = False
@@ -173,11 +178,12 @@ class Stream(Actor):
             return
         if self.grammars is not None and msg.sampling.constrained:
             # a grammar not seen before is checked in a child process, within its time limit,
-            # after its tenant's earlier checks: this connection's later messages wait behind
+            # after its party's earlier checks: this connection's later messages wait behind
             # it, in order
             try:
-                problem = await self.grammars.problem(msg.sampling.grammar_kind,
-                                                      msg.sampling.grammar, msg.tenant)
+                problem = await self.grammars.problem(
+                    msg.sampling.grammar_kind, msg.sampling.grammar,
+                    self.grammar_party or f"tenant {msg.tenant!r}")
             except GrammarBusy as busy:
                 self._reject(m.Rejected(msg.request_id, m.RejectCode.OVERLOADED, str(busy),
                                         busy.limit))

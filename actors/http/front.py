@@ -385,7 +385,8 @@ class HttpFront(Actor):
                 finally:  # this frame, in the error's traceback, must not hold the error
                     body = None
         with self.generations.hold(tenant):
-            await self._generate(path == "/v1/chat/completions", body, tenant, receive, send)
+            await self._generate(path == "/v1/chat/completions", body, tenant, receive, send,
+                                 self._party(scope, tenant))
 
     def _check_head(self, scope: dict) -> None:
         """Refuse a request line and headers over `max_header_bytes`. hypercorn stops buffering
@@ -410,6 +411,15 @@ class HttpFront(Actor):
             raise api.ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
                                type="authentication_error", code="invalid_api_key")
         return tenant
+
+    def _party(self, scope: dict, tenant: str) -> str:
+        """Who the request's grammar checks wait in turn as (`GrammarChecks`): its tenant,
+        when keys tell tenants apart; else its client's address (behind a proxy, every
+        client is the proxy's)."""
+        if self.keys:
+            return f"tenant {tenant!r}"
+        client = scope.get("client")
+        return f"client {client[0]}" if client else "client (unknown address)"
 
     async def _read_body(self, scope: dict, receive: Callable) -> bytes:
         limit = self.settings.max_body_bytes
@@ -453,7 +463,7 @@ class HttpFront(Actor):
     # -- one generation -----------------------------------------------------------------------
 
     async def _generate(self, chat: bool, body: dict, tenant: str, receive: Callable,
-                        send: Callable) -> None:
+                        send: Callable, party: str) -> None:
         request_id = os.urandom(12).hex()  # unguessable, and the response's id
         parse = api.chat_request if chat else api.completion_request
         request = parse(body, request_id=request_id, tenant=tenant,
@@ -465,7 +475,7 @@ class HttpFront(Actor):
                                f"serves {self.model_name!r}{also}", type="not_found_error",
                                param="model", code="model_not_found")
         if request.generate.sampling.constrained:
-            await self._check_grammar(request.generate, api.grammar_param(body))
+            await self._check_grammar(request.generate, api.grammar_param(body), party)
         if request.n > 1:
             await self._generate_choices(request, request_id, receive, send)
             return
@@ -524,15 +534,15 @@ class HttpFront(Actor):
             raise ClientGone
         await send_json(send, 200, api.merge_choices(bodies, request_id))
 
-    async def _check_grammar(self, generate: m.Generate, param: str) -> None:
+    async def _check_grammar(self, generate: m.Generate, param: str, party: str) -> None:
         """A 400 naming `param` for a grammar the engine cannot take, or one whose check runs
-        past `limits.max_grammar_compile_ms`; a 429 when the tenant has too many checks waiting
-        (see `GrammarChecks`: in a child process, each tenant's one at a time, each grammar
-        once)."""
+        past `limits.max_grammar_compile_ms`; a 429 when its sender has too many checks
+        waiting (see `GrammarChecks`: in a child process, each party's one at a time, each
+        grammar once)."""
         sampling = generate.sampling
         try:
             problem = await self.grammars.problem(sampling.grammar_kind, sampling.grammar,
-                                                  generate.tenant)
+                                                  party)
         except GrammarBusy as busy:
             raise api.ApiError(429, str(busy), type="rate_limit_error", code="overloaded",
                                retry_after=self.settings.retry_after) from None
