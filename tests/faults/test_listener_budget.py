@@ -279,7 +279,10 @@ async def test_a_crowd_past_the_cap_is_refused_at_its_handshake_for_good(
             finally:
                 crowd.kill()
                 crowd.wait()
-            assert refused <= peers  # each refused once at most: none came back
+            # each refused about once (one closed to make room for a newcomer, idle past its
+            # grace, is counted and refused once more); shed, they came back by the tens of
+            # thousands
+            assert refused < 2 * peers
             await held.cancel()  # it was never dropped: its stream still answers
             assert (await held.collect()).finish_reason == "cancelled"
             after = await client.generate("after the crowd", max_tokens=3)
