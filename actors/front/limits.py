@@ -46,7 +46,7 @@ class Limits:
     grammar_check_processes: int = 2
     # checks of one tenant waiting behind its running one: past it, refused as overloaded
     max_grammar_checks_waiting: int = 16
-    max_cached_grammars: int = 256  # grammars a front (and the worker) keeps built
+    max_cached_grammars: int = 256  # grammars' verdicts the fronts remember
     max_n: int = 8  # choices of one request
     max_request_id_chars: int = 128
     max_tenant_chars: int = 64
