@@ -39,6 +39,9 @@ REBIND_PAUSE = 1.0  # seconds between the listener's close and binding it again
 # accepts or this many seconds, whichever comes first (a count lists /proc/self/fd)
 FD_RECOUNT_ACCEPTS = 32
 FD_RECOUNT_SECONDS = 0.01
+# accepts libzmq's I/O thread may make ahead of this task's reading: its monitor socket queues
+# up to 1,000 messages, two an event, before the thread blocks on the next
+MONITOR_LAG = 512
 # not EVENT_ACCEPT_FAILED: a TCP listener out of descriptors retries its accept in a busy
 # loop, and an event per try would hand this task (and the I/O thread it throttles) that loop
 EVENTS = (zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
@@ -57,7 +60,7 @@ class ListenerGuard:
         self.inbound_connections = inbound_connections  # pipes that may hold frames
         self.brake_margin = brake_margin
         self.fd_reserve = fd_reserve  # descriptors short of the limit at which it brakes
-        self._fds_counted = (0, float("-inf"), False)  # (live, when, near the limit) then
+        self._fds_counted = (0, float("-inf"), 0)  # (live, when, descriptors in use) then
         self.live = 0  # accepted and not yet disconnected
         # accepted past the cap, to be refused at their handshakes (at most `live - cap`)
         self.over_cap = 0
@@ -156,11 +159,14 @@ class ListenerGuard:
                 self._idle.pop(value, None)
                 self._idle[value] = time.monotonic()
             if self.live > self.cap:
-                if not self._near_fd_limit():
+                # while it waits for its handshake it holds a descriptor, and the I/O thread
+                # may accept `MONITOR_LAG` more before this task reads their accepts
+                if not self._fds_in_use_past(self.fd_reserve + MONITOR_LAG):
                     self.over_cap += 1  # refused at its handshake, for good
                     return
                 self._make_room(value)  # descriptors are short: not a moment longer
-                if self.live > self.cap + self.brake_margin and not self._braked:
+                if (self.live > self.cap + self.brake_margin and not self._braked
+                        and self._fds_in_use_past(self.fd_reserve)):
                     self._brake()
         elif event == zmq.EVENT_DISCONNECTED:
             self.live = max(0, self.live - 1)
@@ -226,21 +232,21 @@ class ListenerGuard:
             return None
         return oldest
 
-    def _near_fd_limit(self) -> bool:
-        """Whether the process's descriptors in use are within `fd_reserve` of its limit,
+    def _fds_in_use_past(self, headroom: int) -> bool:
+        """Whether the process's descriptors in use are within `headroom` of its limit,
         counted again only after `FD_RECOUNT_ACCEPTS` accepts or `FD_RECOUNT_SECONDS`."""
-        live, when, near = self._fds_counted
-        now = time.monotonic()
-        if abs(self.live - live) < FD_RECOUNT_ACCEPTS and now - when < FD_RECOUNT_SECONDS:
-            return near
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        try:
-            in_use = len(os.listdir("/proc/self/fd"))
-        except OSError:  # no /proc to count in: the connection count alone decides
-            in_use = soft
-        near = soft != resource.RLIM_INFINITY and in_use >= soft - self.fd_reserve
-        self._fds_counted = (self.live, now, near)
-        return near
+        if soft == resource.RLIM_INFINITY:
+            return False
+        live, when, in_use = self._fds_counted
+        now = time.monotonic()
+        if abs(self.live - live) >= FD_RECOUNT_ACCEPTS or now - when >= FD_RECOUNT_SECONDS:
+            try:
+                in_use = len(os.listdir("/proc/self/fd"))
+            except OSError:  # no /proc to count in: the connection count alone decides
+                in_use = soft
+            self._fds_counted = (self.live, now, in_use)
+        return in_use >= soft - headroom
 
     def _shed(self, fd: int, refused: bool = True) -> None:
         """Shut a connection down (libzmq then closes it): only if the descriptor still is a
