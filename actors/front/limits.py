@@ -41,10 +41,11 @@ class Limits:
     # milliseconds a check of a grammar not seen before may run, from its start (not from the
     # request's arrival): past it the check's process is killed and the request gets a 400
     max_grammar_compile_ms: int = 2000
-    # processes checking grammars, for the whole daemon; a tenant's checks run one at a time,
-    # so one tenant's slow grammars hold one process and the others serve the other tenants
+    # processes checking grammars, for the whole daemon; a sender's checks run one at a time
+    # (a tenant its key proves, else the client), so one sender's slow grammars hold one
+    # process and the others serve the other senders
     grammar_check_processes: int = 2
-    # checks of one tenant waiting behind its running one: past it, refused as overloaded
+    # checks of one sender waiting behind its running one: past it, refused as overloaded
     max_grammar_checks_waiting: int = 16
     max_cached_grammars: int = 256  # grammars' verdicts the fronts remember
     max_n: int = 8  # choices of one request
