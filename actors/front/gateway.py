@@ -36,6 +36,7 @@ from sluice.ipc.sockets import PeerFull, PeerGone, Socket
 log = structlog.get_logger("sluice.gateway")
 
 FRAMES_PER_TURN = 64  # client frames taken in one turn of the event loop, at most
+ZAP_ANSWERS_PER_TURN = 256  # handshakes answered in one turn of the event loop, at most
 KEEPALIVE_PROBES = 3  # unanswered keepalive probes before the kernel drops a connection
 _FORGOTTEN = ("this connection was dropped because it did not read what it was sent; "
               "its requests ended")
@@ -104,8 +105,10 @@ class Gateway(Actor):
     def _open(self) -> None:
         # every connection's handshake waits for this actor's ZAP answer, with or without
         # CURVE: a connection past the inbound budget is refused before any frame of it can
-        # be queued (refused at its accept, it has often queued a full pipe already)
-        self.zap = Socket(zmq.REP, ctx=self.context)
+        # be queued (refused at its accept, it has often queued a full pipe already). A ROUTER,
+        # not a REP: its answers never wait, so the requests that queued up are answered in
+        # one turn of the loop (see `_authenticate`)
+        self.zap = Socket(zmq.ROUTER, ctx=self.context)
         self.zap.bind(ZAP_ENDPOINT)
         self.socket = Socket(zmq.ROUTER, ctx=self.context)
         self._limit_peers(self.socket.zmq)
@@ -187,23 +190,44 @@ class Gateway(Actor):
 
     async def _authenticate(self) -> None:
         """ZAP, at each connection's handshake: 400 past the inbound budget (no frame of it
-        was queued); with CURVE, 200 with the key as user id for a listed key, else 400."""
+        was queued); with CURVE, 200 with the key as user id for a listed key, else 400.
+
+        The requests that queued up are answered in the same turn of the loop, up to a bound.
+        A connection waiting for its answer holds libzmq's buffers (~50 KB) even once its
+        peer has left. Answered one a turn, they fell behind a churn of strangers' connections
+        and were then answered hundreds at once: meanwhile the C heap held up to 60 MB more,
+        all for connections already gone."""
         while True:
-            request = await self.zap.recv_multipart()
-            version, request_id, mechanism = request[0], request[1], request[5]
-            key = None
-            if mechanism == b"CURVE" and len(request) > 6:
-                key = z85.encode(request[6]).decode()
-            if self.curve_secret_key is not None and key not in self.tenant_keys:
-                log.info("client refused", mechanism=mechanism.decode(errors="replace"))
-                reply = [version, request_id, b"400", b"unknown key", b"", b""]
-            elif not self.listener.admit():
-                reply = [version, request_id, b"400", b"over the inbound budget", b"", b""]
-            else:  # with CURVE the key itself is the user id: a stream is bound to it, a
-                # tenant found by it
-                user = key.encode() if key is not None else b""
-                reply = [version, request_id, b"200", b"OK", user, b""]
-            await self.zap.send_multipart(reply)
+            requests = [await self.zap.recv_multipart()]
+            while len(requests) < ZAP_ANSWERS_PER_TURN:
+                request = self.zap.recv_multipart_nowait()
+                if request is None:
+                    break
+                requests.append(request)
+            for request in requests:
+                self._answer_zap(request)
+
+    def _answer_zap(self, request: list[bytes]) -> None:
+        # [libzmq's routing id, empty delimiter, version, request id, domain, address,
+        # identity, mechanism, credentials...]
+        envelope, request = request[:2], request[2:]
+        version, request_id, mechanism = request[0], request[1], request[5]
+        key = None
+        if mechanism == b"CURVE" and len(request) > 6:
+            key = z85.encode(request[6]).decode()
+        if self.curve_secret_key is not None and key not in self.tenant_keys:
+            log.info("client refused", mechanism=mechanism.decode(errors="replace"))
+            reply = [version, request_id, b"400", b"unknown key", b"", b""]
+        elif not self.listener.admit():
+            reply = [version, request_id, b"400", b"over the inbound budget", b"", b""]
+        else:  # with CURVE the key itself is the user id: a stream is bound to it, a
+            # tenant found by it
+            user = key.encode() if key is not None else b""
+            reply = [version, request_id, b"200", b"OK", user, b""]
+        try:
+            self.zap.route_nowait([*envelope, *reply])
+        except PeerGone:  # the connection asking is gone already: nobody to answer
+            pass
 
     # -- to the client ----------------------------------------------------------------------
 
