@@ -167,7 +167,7 @@ class Engine:
         plan = core.schedule(self.step_budget.next(decodes * core.config.decode_weight))
         # update even an empty plan: the core may have ended requests while planning
         outputs = None
-        if plan.seqs:
+        if plan.seqs or plan.grammars or core.grammars.waiting:
             try:
                 result = self.runner.execute(plan)
             except torch.OutOfMemoryError:
@@ -178,7 +178,8 @@ class Engine:
                 if not self.step_budget.out_of_memory(used):
                     raise
             else:
-                self.step_budget.step_ran()
+                if plan.seqs:
+                    self.step_budget.step_ran()
         else:
             result = StepResult(plan.step_id)
         if outputs is None:

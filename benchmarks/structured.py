@@ -9,8 +9,14 @@ model loading and a warm-up excluded. The constrained run also reports the gramm
 step: the time to compute the batch's masks (on a thread, while the forward runs) and the
 time the step still waited for them after its forward (what the overlap did not hide).
 
+Then what a new grammar costs everyone else: `--streams` unconstrained requests decode, and
+`--new-grammars` requests arrive, each with a large JSON schema never seen before (200
+integer properties, whose matcher takes tens of milliseconds or more to build). Reported: the
+median step time before they arrive, and the longest step from their arrival until each has
+sampled its first token (a step that waited for a build shows it).
+
     python benchmarks/structured.py [--requests 64] [--max-tokens 64] [--dtype float32]
-                                    [--threads N] [--json]
+                                    [--threads N] [--streams 8] [--new-grammars 4] [--json]
 """
 
 from __future__ import annotations
@@ -42,6 +48,50 @@ def workload(count: int) -> list[list[dict]]:
               "name, age, city, hobbies and pet."}] for i in range(count)]
 
 
+def big_schema(variant: int, properties: int = 200) -> dict:
+    props = {f"v{variant}_p{i}": {"type": "integer", "minimum": i, "maximum": 10**6 + i}
+             for i in range(properties)}
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+def new_grammar_stall(engine, streams: int, arrivals: int) -> dict:
+    """Step times of `streams` decoding requests before and while `arrivals` requests with
+    new grammars join them (see the module's docstring)."""
+    import statistics
+
+    from sluice.ipc.vocabulary import SamplingParams, grammar_of
+
+    running = [engine.add_request(f"Count slowly from {i}:", sampling=SamplingParams(
+        max_tokens=4096, temperature=0.0, ignore_eos=True)) for i in range(streams)]
+
+    def timed_step() -> tuple[float, list]:
+        started = time.perf_counter()
+        outputs = engine.step()
+        return time.perf_counter() - started, outputs
+
+    before = [timed_step()[0] for _ in range(40)][10:]  # the prompts are done by then
+    waiting = set()
+    for i in range(arrivals):
+        kind, text = grammar_of(json_schema=big_schema(i))
+        waiting.add(engine.add_request(
+            f"Fill in the numbers, form {i}:",
+            sampling=SamplingParams(max_tokens=4, temperature=0.0, grammar_kind=kind,
+                                    grammar=text)))
+    during = []
+    while waiting:
+        seconds, outputs = timed_step()
+        during.append(seconds)
+        waiting -= {out.request_id for out in outputs if out.new_token_ids or out.finished}
+    for request_id in running:
+        engine.abort(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return {"streams": streams, "new_grammars": arrivals,
+            "median_step_ms_before": round(1000 * statistics.median(before), 1),
+            "longest_step_ms_while_built": round(1000 * max(during), 1),
+            "step_ms_until_all_sampled": [round(1000 * t, 1) for t in during]}
+
+
 def run(engine, prompts, params) -> dict:
     started = time.perf_counter()
     results = engine.generate(prompts, params, chat=True)
@@ -59,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--new-grammars", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.threads:
@@ -131,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         "steps_with_masks": steps, "mask_ms_per_step": round(mask_ms, 3),
         "mask_wait_ms_per_step": round(1000 * sum(timings["waits"]) / max(1, steps), 3),
     }
+    runner.forward_logits, runner.execute = forward, execute
+    grammar.Constraints.masks = masks
+    report["new_grammars"] = new_grammar_stall(engine, args.streams, args.new_grammars)
     if args.json:
         print(json.dumps(report))
     else:

@@ -10,8 +10,9 @@ a JSON schema's text, a regular expression, a JSON list of choices, or a Lark gr
 `grammar_source` turns one into llguidance's grammar and `check` says what is wrong with
 one, with no tokenizer: the fronts have it called in a separate process (`serve_checks`, which
 they can kill when a check runs past its time limit), before a request is sent on.
-`Constraints` is the worker's side: one matcher per constrained request, advanced with
-each token the request is sampled. The plan carries the end of a constrained request's output
+`Constraints` is the worker's side: each grammar the scheduler asks for built on a thread
+beside the steps (the request waits in the queue until then), then one matcher per
+constrained request, advanced with each token the request is sampled. The plan carries the end of a constrained request's output
 (its last token) while the worker has its matcher, and all of it where the matcher must be
 rebuilt: after a preemption and recompute, in a worker that restarted and never saw the
 request, or for one not planned for a while (see `plan.MATCHER_STEPS`).
@@ -25,6 +26,8 @@ import json
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
@@ -167,6 +170,13 @@ class Constraints:
         self.words = (vocab_size + 31) // 32  # int32 words of one row's bitmask
         self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._cached = cached_grammars
+        # grammars the scheduler asked for, built beside the steps (llguidance lets go of the
+        # GIL while it builds): the builds under way by id and by grammar, and the ids built
+        # since the last result
+        self._builder: ThreadPoolExecutor | None = None
+        self._building: dict[int, tuple[str, str]] = {}
+        self._futures: dict[tuple[str, str], Future] = {}
+        self._built: list[int] = []
         self._states: dict[str, _State] = {}
         self._step = 0
         from sluice.actors.scheduler.plan import MATCHER_STEPS
@@ -186,19 +196,59 @@ class Constraints:
     def __len__(self) -> int:
         return len(self._states)
 
+    def build(self, grammars: Iterable[list]) -> None:
+        """Start building each grammar `[id, kind, text]` the scheduler asked for (see
+        `take_built`); one built already is reported at once."""
+        for grammar, kind, text in grammars:
+            key = (kind, text)
+            if key in self._templates:
+                self._built.append(grammar)
+                continue
+            if key not in self._futures:
+                if self._builder is None:
+                    self._builder = ThreadPoolExecutor(1, thread_name_prefix="grammar-builds")
+                self._futures[key] = self._builder.submit(self._template, kind, text)
+            self._building[grammar] = key
+
+    def take_built(self, wait: float = 0.0) -> list[int]:
+        """The ids of the grammars built since the last call; with `wait`, when none is, up
+        to that many seconds for a build under way to finish."""
+        if wait and self._futures and not self._built:
+            futures.wait(self._futures.values(), timeout=wait,
+                         return_when=futures.FIRST_COMPLETED)
+        for key in [key for key, future in self._futures.items() if future.done()]:
+            self._keep(key, self._futures.pop(key).result())
+        for grammar, key in list(self._building.items()):
+            if key not in self._futures:
+                del self._building[grammar]
+                self._built.append(grammar)
+        built, self._built = self._built, []
+        return built
+
+    def _template(self, kind: str, text: str) -> llguidance.LLMatcher:
+        """A grammar's matcher at its start, to copy for each request."""
+        try:
+            source = grammar_source(kind, text)
+        except GrammarError:  # a grammar nobody checked: one that allows only the end
+            source = llguidance.LLMatcher.grammar_from_regex("")
+        return llguidance.LLMatcher(self.tokenizer, source, log_level=0, limits=limits())
+
+    def _keep(self, key: tuple[str, str], template: llguidance.LLMatcher) -> None:
+        self._templates[key] = template
+        self._templates.move_to_end(key)
+        while len(self._templates) > max(1, self._cached):
+            self._templates.popitem(last=False)
+
     def _fresh(self, kind: str, text: str) -> llguidance.LLMatcher:
+        """A matcher for a request: from its grammar's template, which is built now if the
+        scheduler did not ask for it (a recompute in a worker that lacks it), or awaited if
+        its build is under way."""
         key = (kind, text)
         template = self._templates.get(key)
         if template is None:
-            try:
-                source = grammar_source(kind, text)
-            except GrammarError:  # a grammar nobody checked: one that allows only the end
-                source = llguidance.LLMatcher.grammar_from_regex("")
-            template = llguidance.LLMatcher(self.tokenizer, source, log_level=0,
-                                            limits=limits())
-            self._templates[key] = template
-            while len(self._templates) > max(1, self._cached):
-                self._templates.popitem(last=False)
+            future = self._futures.pop(key, None)
+            template = future.result() if future is not None else self._template(kind, text)
+            self._keep(key, template)
         else:
             self._templates.move_to_end(key)
         return template.deep_copy()

@@ -73,7 +73,7 @@ class NullExecutor(Actor):
 
     async def on_plan(self, frame: PlanFrame) -> None:
         # the compact forms of `StepPlan.to_plain` and `StepResult.to_plain`
-        step_id, samplings, seqs = CODEC.decode_compact(frame.frame, StepPlan)
+        step_id, samplings, seqs, grammars = CODEC.decode_compact(frame.frame, StepPlan)
         if self.out_of_memory_next:
             self.out_of_memory_next = False
             self.scheduler.put(StepOutOfMemory(step_id, "test fault: out of memory"))
@@ -87,7 +87,9 @@ class NullExecutor(Actor):
         if any(ask is not None for ask in asks):
             detailed = {seq[0]: _certain(token, asks[seq[5]])
                         for seq, token in zip(sampling, tokens) if asks[seq[5]] is not None}
-        plain = [step_id, [seq[0] for seq in sampling], tokens, detailed or None, 0.0]
+        # it samples no grammar: each is built as soon as it is asked for
+        plain = [step_id, [seq[0] for seq in sampling], tokens, detailed or None, 0.0,
+                 [grammar[0] for grammar in grammars]]
         self.scheduler.put(ResultFrame(CODEC.encode_compact(StepResult, plain)))
 
     async def on_crash(self, exc: BaseException) -> None:

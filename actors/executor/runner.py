@@ -34,6 +34,8 @@ from sluice.ipc.vocabulary import SamplingParams
 
 DEFAULT_CPU_KV_BYTES = memory.DEFAULT_CPU_KV_MAX_BYTES
 DEFAULT_PROFILE_TOKENS = 512  # the scheduler's default token budget
+# a plan with no sequence waits for a grammar build this long at most before it answers
+GRAMMAR_WAIT_SECONDS = 0.025
 
 
 class ModelRunner:
@@ -172,8 +174,11 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
-        if not plan.seqs:
-            return StepResult(step_id=plan.step_id)
+        if plan.grammars:
+            self.constraints.build(plan.grammars)
+        if not plan.seqs:  # a plan that waits for grammars being built
+            return StepResult(step_id=plan.step_id, grammars_built=self._grammars_built(
+                GRAMMAR_WAIT_SECONDS))
         sampling_seqs = [s for s in plan.seqs if s.sample]
         self._penalty_ids.fill(sampling_seqs)  # before the masks' thread reads the outputs
         masks = None
@@ -199,7 +204,14 @@ class ModelRunner:
                 self._constraints.advance(sampling_seqs, [t.token_id for t in tokens])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(plan.step_id, sampled, time.perf_counter() - started, logprobs)
+        return StepResult(plan.step_id, sampled, time.perf_counter() - started, logprobs,
+                          self._grammars_built())
+
+    def _grammars_built(self, wait: float = 0.0) -> list[int]:
+        """The ids of the grammars built since the last result (see `Constraints.take_built`)."""
+        if self._constraints is None:
+            return []
+        return self._constraints.take_built(wait)
 
     def forward_logits(self, plan: StepPlan):
         """Run the step's forward (writing its KV); logits of the sequences that sample."""

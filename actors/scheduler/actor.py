@@ -228,8 +228,9 @@ class SchedulerActor(Actor):
             log.debug("stale step result ignored", step_id=result.step_id)
             return
         self.in_flight = None
-        self.step_budget.step_ran()
-        self.latency.step(plan, trio.current_time() - self.step_sent)
+        if plan.seqs:  # not a plan that only waited for grammars
+            self.step_budget.step_ran()
+            self.latency.step(plan, trio.current_time() - self.step_sent)
         self._emit(self.core.update(plan, result))
         self._after_step()
 
@@ -261,6 +262,7 @@ class SchedulerActor(Actor):
             log.error("worker lost with KV blocks owned by no request",
                       blocks=[block for block, _ in leaked])
         requeued = self.core.requeue_all()
+        self.core.grammars.reset()  # the next worker has built none
         failed = self._charge_lost_step(lost)
         log.warning("worker lost", reason=msg.reason, requeued=len(requeued), failed=len(failed))
         self._after_step()
@@ -281,6 +283,7 @@ class SchedulerActor(Actor):
         self.worker_restarts = msg.restarts
         self.worker_pid = msg.pid
         self.worker_dtypes = (msg.dtype, msg.kv_dtype)
+        self.core.grammars.reset()  # a new worker (this actor may not have seen the old go)
         self._maybe_step()
 
     async def on_worker_failed(self, msg: am.WorkerFailed) -> None:
@@ -325,7 +328,9 @@ class SchedulerActor(Actor):
             core = self.core
             decodes = len(core.running) - len(core.prefilling)
             plan = core.schedule(self.step_budget.next(decodes * core.config.decode_weight))
-            if plan.seqs:
+            # with no sequence, a plan still goes while the worker builds grammars: it answers
+            # once a build finished, or after a short wait
+            if plan.seqs or plan.grammars or core.grammars.waiting:
                 step_id = self._wire_step_id(plan)
                 try:
                     frame = encode_plan(dataclasses.replace(plan, step_id=step_id))

@@ -66,6 +66,9 @@ MATCHER_STEPS = 32
 class StepPlan:
     step_id: int
     seqs: list[ScheduledSeq] = field(default_factory=list)
+    # grammars for the worker to build beside its steps, [id, kind, text] each: a constrained
+    # request is admitted once the worker reported its grammar's id built (`grammar_gate`)
+    grammars: list[list] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -87,18 +90,18 @@ class StepPlan:
              s.prompt_token_ids, s.output_token_ids]
             for s in self.seqs
         ]  # fmt: skip
-        return [self.step_id, list(index), seqs]
+        return [self.step_id, list(index), seqs, self.grammars]
 
     @classmethod
     def from_plain(cls, plain: list | tuple) -> StepPlan:
-        step_id, samplings, seqs = plain
+        step_id, samplings, seqs, grammars = plain
         params = [SamplingParams.from_plain(p) for p in samplings]
         return cls(step_id, [
             ScheduledSeq(rid, list(tokens), start, list(table), sample, params[index], generated,
                          seed, None if prompt is None else list(prompt),
                          None if output is None else list(output))
             for rid, tokens, start, table, sample, index, generated, seed, prompt, output in seqs
-        ])  # fmt: skip
+        ], [list(grammar) for grammar in grammars])  # fmt: skip
 
 
 def _is_decode(seq: ScheduledSeq) -> bool:
@@ -130,6 +133,8 @@ class StepResult:
     forward_seconds: float = 0.0
     # the tokens of the requests that asked for logprobs, with them
     logprobs: dict[str, SampledToken] = field(default_factory=dict)
+    # the ids of the grammars (`StepPlan.grammars`) built since the worker's last result
+    grammars_built: list[int] = field(default_factory=list)
 
     def to_plain(self) -> list:
         # columns, not one list per token: the ids of the requests, their tokens' ids, and
@@ -137,14 +142,14 @@ class StepResult:
         sampled, logprobs = self.sampled, self.logprobs
         return [self.step_id, list(sampled), list(sampled.values()),
                 {rid: list(t) for rid, t in logprobs.items()} if logprobs else None,
-                self.forward_seconds]
+                self.forward_seconds, self.grammars_built]
 
     @classmethod
     def from_plain(cls, plain: list | tuple) -> StepResult:
-        step_id, rids, tokens, logprobs, seconds = plain
+        step_id, rids, tokens, logprobs, seconds, built = plain
         detailed = {rid: SampledToken.from_plain(t) for rid, t in logprobs.items()} \
             if logprobs else {}
-        return cls(step_id, dict(zip(rids, tokens)), seconds, detailed)
+        return cls(step_id, dict(zip(rids, tokens)), seconds, detailed, list(built))
 
 
 @dataclass(frozen=True)

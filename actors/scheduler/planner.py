@@ -16,6 +16,7 @@ from typing import Protocol
 
 from sluice.actors.scheduler.bisection import PoisonBisection
 from sluice.actors.scheduler.config import SchedulerConfig
+from sluice.actors.scheduler.grammar_gate import GrammarGate
 from sluice.actors.scheduler.kv_cache import KVCacheManager
 from sluice.actors.scheduler.plan import StepPlan
 from sluice.actors.scheduler.plan_builder import PlanBuilder
@@ -42,8 +43,9 @@ class Transitions(Protocol):
 class Planner:
     def __init__(self, core: Transitions, table: RequestTable, kv_cache: KVCacheManager,
                  ledger: TenantLedger, policy: Policy, bisection: PoisonBisection,
-                 kv_caps: KVCaps, clock: Callable[[], float]):
+                 kv_caps: KVCaps, clock: Callable[[], float], grammars: GrammarGate):
         self.core = core
+        self.grammars = grammars
         self.table = table
         self.requests, self.waiting, self.running = table.requests, table.waiting, table.running
         self.prefilling, self.paused = table.prefilling, table.paused
@@ -241,8 +243,10 @@ class Planner:
         return True
 
     def _may_start(self, tenant: TenantState, request: Request) -> bool:
-        """The tenant's next in line may be admitted: its caps, its rates, its KV cap."""
-        return self.ledger.may_start(tenant, request) and self.kv_caps.fits_prompt(request)
+        """The tenant's next in line may be admitted: its caps, its rates, its KV cap, and
+        the worker has built its grammar."""
+        return (self.ledger.may_start(tenant, request) and self.kv_caps.fits_prompt(request)
+                and self.grammars.ready(request))
 
     def _within_kv_cap(self, request: Request) -> bool:
         """Room for one more block under its tenant's KV cap, preempting the tenant's own

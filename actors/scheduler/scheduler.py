@@ -19,6 +19,7 @@ from typing import Any
 from sluice.actors.scheduler.bisection import PoisonBisection
 from sluice.actors.scheduler.config import SchedulerConfig, TenantConfig
 from sluice.actors.scheduler.errors import InvalidRequest, Overloaded, TooLong
+from sluice.actors.scheduler.grammar_gate import GrammarGate
 from sluice.actors.scheduler.invariants import check_invariants
 from sluice.actors.scheduler.kv_cache import KVCacheManager
 from sluice.actors.scheduler.plan import (RequestOutput, SampledToken, StepOutputs, StepPlan,
@@ -71,8 +72,10 @@ class Scheduler:
         self._rng = random.Random(config.seed)
         # outputs of requests that ended while planning (a pool too small for one request)
         self._pending_outputs: list[RequestOutput] = []
+        # grammars the worker has built: a constrained request is admitted once its is
+        self.grammars = GrammarGate()
         self.planner = Planner(self, table, self.kv_cache, self.ledger, self.policy,
-                               self.bisection, self.kv_caps, clock)
+                               self.bisection, self.kv_caps, clock, self.grammars)
 
     @property
     def config(self) -> SchedulerConfig:
@@ -91,6 +94,7 @@ class Scheduler:
         self.ledger.clamp_priority(request)
         request.prepare(self.clock(), self._rng, self.eos_token_ids, self.max_model_len)
         self.table.add(request)
+        self.grammars.add(request)
         self.ledger.queued_new(request)
         self.deadlines.watch(request, self.ledger.limits(request.tenant).timeout,
                              len(self.requests))
@@ -198,7 +202,9 @@ class Scheduler:
     def schedule(self, token_budget: float | None = None) -> StepPlan:
         """Plan one iteration within the token budget (the configured one unless given: a
         step that ran out of memory is planned smaller); see `planner.py`."""
-        return self.planner.schedule(token_budget)
+        plan = self.planner.schedule(token_budget)
+        plan.grammars = self.grammars.take_asks()
+        return plan
 
     # -- results ----------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> StepOutputs:
@@ -212,6 +218,8 @@ class Scheduler:
         now = self.clock()
         kv, ledger, tenants = self.kv_cache, self.ledger, self.ledger.tenants
         sampled, step_id, size = result.sampled, plan.step_id, kv.block_size
+        if result.grammars_built:
+            self.grammars.built(result.grammars_built)
         # the step's forward time, shared among its sequences by the tokens each computed
         forward = result.forward_seconds
         per_token = forward / max(1, plan.num_tokens) if forward else 0.0
@@ -312,6 +320,7 @@ class Scheduler:
         request.num_computed_tokens = computed  # kept for inspection of the ended request
         self.ledger.request_ended(request)
         self.table.remove(request, reason)
+        self.grammars.remove(request)
         self.bisection.forget(request.request_id)
         return request.ended(reason, state, self.clock(), error,
                              configured=self.config.is_configured(request.tenant))

@@ -103,13 +103,16 @@ def test_a_step_plan_and_its_result_cross_whole() -> None:
 
 
 def test_a_compact_form_read_or_written_by_hand_is_the_objects_own() -> None:
-    plan = StepPlan(7, [ScheduledSeq("a/1", [8], 40, [1, 2, 3], True, SAMPLING, 5, 12)])
-    step_id, samplings, seqs = CODEC.decode_compact(worker.encode_plan(plan), StepPlan)
+    plan = StepPlan(7, [ScheduledSeq("a/1", [8], 40, [1, 2, 3], True, SAMPLING, 5, 12)],
+                    [[0, "regex", "a+"]])
+    step_id, samplings, seqs, grammars = CODEC.decode_compact(worker.encode_plan(plan), StepPlan)
     assert step_id == 7 and seqs[0][0] == "a/1" and seqs[0][6] == 5
     assert SamplingParams.from_plain(samplings[0]) == SAMPLING
-    result = StepResult(7, {"a/1": 3, "a/2": 8}, 0.0, {"a/1": SampledToken(3, -0.1, [(3, -0.1)])})
+    assert [list(grammar) for grammar in grammars] == [[0, "regex", "a+"]]
+    result = StepResult(7, {"a/1": 3, "a/2": 8}, 0.0, {"a/1": SampledToken(3, -0.1, [(3, -0.1)])},
+                        [0])
     by_hand = CODEC.encode_compact(StepResult, [7, ["a/1", "a/2"], [3, 8],
-                                                {"a/1": [3, -0.1, [(3, -0.1)]]}, 0.0])
+                                                {"a/1": [3, -0.1, [(3, -0.1)]]}, 0.0, [0]])
     assert worker.decode_result(by_hand) == result
     with pytest.raises(TypeError, match="expected a StepPlan, got a StepResult"):
         CODEC.decode_compact(by_hand, StepPlan)

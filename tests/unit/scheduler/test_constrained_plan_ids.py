@@ -30,6 +30,11 @@ def tokenizer_json():
     return tokenizer.backend.to_str(), tokenizer.vocab_size, tokenizer.eos_token_ids
 
 
+def built_at_once(sched) -> None:
+    """A worker that builds every grammar asked for at once (the tests without one)."""
+    sched.grammars.built(grammar for grammar, _, _ in sched.grammars.take_asks())
+
+
 def carried(plan, rid: str) -> list[int] | None:
     (seq,) = [s for s in plan.seqs if s.request_id == rid]
     return seq.output_token_ids
@@ -39,6 +44,7 @@ def test_a_long_constrained_output_carries_one_id_per_decode() -> None:
     sched = make_scheduler(block_size=16, kv_blocks=256)
     sched.add_request(req("json", prompt_len=8, max_tokens=600, **GRAMMAR))
     sched.add_request(req("free", prompt_len=8, max_tokens=600, first=2000))
+    built_at_once(sched)
     sizes = []
     for n in range(400):
         plan = sched.schedule()
@@ -82,6 +88,7 @@ def test_the_worker_masks_are_those_of_a_rebuilt_matcher(tokenizer_json) -> None
 
     def step() -> None:
         plan = sched.schedule()
+        worker.build(plan.grammars)  # asked for once, built beside the steps
         seqs = [s for s in plan.seqs if s.sample]
         rows, masks = worker.masks(seqs) or ([], None)
         sampled = {s.request_id: 1 for s in seqs}  # "other": anything
@@ -101,7 +108,8 @@ def test_the_worker_masks_are_those_of_a_rebuilt_matcher(tokenizer_json) -> None
             choices = [t for t in allowed if t not in eos] or list(allowed)
             sampled[seq.request_id] = int(rng.choice(choices))
         worker.advance(seqs, [sampled[s.request_id] for s in seqs])
-        for out in sched.update(plan, StepResult(plan.step_id, sampled)):
+        built = worker.take_built(0.0 if plan.seqs else 1.0)
+        for out in sched.update(plan, StepResult(plan.step_id, sampled, grammars_built=built)):
             if out.request_id in sent:
                 sent[out.request_id] += out.new_token_ids
         sched.check_invariants()
@@ -118,7 +126,8 @@ def test_the_worker_masks_are_those_of_a_rebuilt_matcher(tokenizer_json) -> None
     sched.resume("b")
     for _ in range(10):
         step()
-    sched.requeue_all()  # the worker is lost: a new one knows no request
+    sched.requeue_all()  # the worker is lost: a new one knows no request, nor grammar
+    sched.grammars.reset()
     worker = Constraints(text, vocab, eos)
     for _ in range(40):
         step()
@@ -129,6 +138,7 @@ def test_a_worker_without_the_matcher_and_only_the_last_id_says_so(tokenizer_jso
     text, vocab, eos = tokenizer_json
     sched = make_scheduler(block_size=16, kv_blocks=64)
     sched.add_request(req("a", prompt_len=8, max_tokens=50, **GRAMMAR))
+    built_at_once(sched)
     for _ in range(3):
         plan = sched.schedule()
         sched.update(plan, StepResult(plan.step_id, {"a": 28}))
