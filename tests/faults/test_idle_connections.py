@@ -68,7 +68,9 @@ async def test_idle_connections_at_the_cap_make_room_and_leave_in_time(
         for _, events in crowd:
             assert await trio.to_thread.run_sync(saw, events, zmq.EVENT_DISCONNECTED, 15_000)
         report = await fetch_status(control)
-        assert report.gateway.refused_connections >= CAP  # those past the cap were turned away
+        # those past the cap and its one spare slot were turned away (the newcomer's room was
+        # made by closing one more, unless the sweep had closed idle ones by then: a slow run)
+        assert report.gateway.refused_connections >= len(crowd) - (CAP + 1)
     finally:
         for peer, events in crowd:
             events.close()
