@@ -26,6 +26,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _logging_as_it_was():
+    """A test that runs a command in-process configures structlog for the whole process, its
+    level with it: put it back, or a later test that captures logs misses every info event
+    (one waited for "request ended" until it timed out)."""
+    import structlog
+
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
 @pytest.fixture(scope="session")
 def smollm_path():
     from sluice.actors.executor.loader import resolve_model_path
