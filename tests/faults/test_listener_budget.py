@@ -327,8 +327,13 @@ async def test_the_default_inbound_budget_caps_what_connections_may_queue(null_d
             peer.close()
         context.term()
     listener = handle.daemon.gateway.listener
-    with trio.fail_after(60):
+    with trio.move_on_after(60):
         while listener.live > 0:  # the daemon saw them all leave
             await trio.sleep(0.05)
+    assert listener.live == 0, (
+        f"{listener.live} connections still counted live a minute after all left "
+        f"(gone unread {listener.gone_unread}, idle {len(listener._idle)}, held "
+        f"{len(listener._held)}, descriptors open {len(os.listdir('/proc/self/fd'))})")
+    with trio.fail_after(60):
         # more left than the budget holds, and nothing came since: a newcomer gets in
         await served(handle.listen, "served after the crowd left")
