@@ -102,12 +102,16 @@ class ListenerGuard:
 
     async def run(self) -> None:
         while True:
-            frames = await self.events.recv_multipart()
-            self._on_event_frames(frames)
+            # events are read and counted with no checkpoint between, as `admit` reads them
+            # too: one received here and counted after the receive's checkpoint could be a
+            # connection's accept counted after its departure (read meanwhile by `admit`),
+            # and that connection would stay counted live for good
+            await self.events.wait_for(zmq.POLLIN)
             self.catch_up()
             if self._braked and self.live == 0 and self._local is None:
                 await trio.sleep(REBIND_PAUSE)
                 self._rebind()
+            await trio.lowlevel.checkpoint()
 
     def catch_up(self) -> None:
         """Count every connection event already queued, without waiting."""
