@@ -171,12 +171,14 @@ class Constraints:
         self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._cached = cached_grammars
         # grammars the scheduler asked for, built beside the steps (llguidance lets go of the
-        # GIL while it builds): the builds under way by id and by grammar, and the ids built
-        # since the last result
+        # GIL while it builds): the builds under way by id and by grammar, the ids built since
+        # the last result, and the builds that raised, kept for the step of a request that
+        # uses them (where a failure is that request's own, see `_fresh`)
         self._builder: ThreadPoolExecutor | None = None
         self._building: dict[int, tuple[str, str]] = {}
         self._futures: dict[tuple[str, str], Future] = {}
         self._built: list[int] = []
+        self._failed: OrderedDict[tuple[str, str], BaseException] = OrderedDict()
         self._states: dict[str, _State] = {}
         self._step = 0
         from sluice.actors.scheduler.plan import MATCHER_STEPS
@@ -217,7 +219,13 @@ class Constraints:
             futures.wait(self._futures.values(), timeout=wait,
                          return_when=futures.FIRST_COMPLETED)
         for key in [key for key, future in self._futures.items() if future.done()]:
-            self._keep(key, self._futures.pop(key).result())
+            future = self._futures.pop(key)
+            if future.exception() is None:
+                self._keep(key, future.result())
+            else:  # reported built all the same: its request's own step raises it
+                self._failed[key] = future.exception()
+                while len(self._failed) > max(1, self._cached):
+                    self._failed.popitem(last=False)
         for grammar, key in list(self._building.items()):
             if key not in self._futures:
                 del self._building[grammar]
@@ -242,10 +250,14 @@ class Constraints:
     def _fresh(self, kind: str, text: str) -> llguidance.LLMatcher:
         """A matcher for a request: from its grammar's template, which is built now if the
         scheduler did not ask for it (a recompute in a worker that lacks it), or awaited if
-        its build is under way."""
+        its build is under way. A build that raised raises here, in the step of a request
+        that uses it."""
         key = (kind, text)
         template = self._templates.get(key)
         if template is None:
+            failure = self._failed.pop(key, None)
+            if failure is not None:
+                raise failure
             future = self._futures.pop(key, None)
             template = future.result() if future is not None else self._template(kind, text)
             self._keep(key, template)

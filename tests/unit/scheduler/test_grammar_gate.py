@@ -89,3 +89,26 @@ def test_the_worker_builds_what_it_is_asked_beside_its_steps(constraints) -> Non
     assert sorted(built) == [5, 6]
     constraints.build([[9, "regex", "[a-z]+"]])  # known already: built at once
     assert constraints.take_built() == [9] and constraints.take_built() == []
+
+
+def test_a_build_that_raises_fails_only_the_step_of_a_request_that_uses_it(
+        constraints, monkeypatch) -> None:
+    # a fake failure: the real builder, made to raise for one marked grammar
+    real = constraints._template
+
+    def template(kind: str, text: str):
+        if text == "[0-9]+ broken":
+            raise RuntimeError("the build of this grammar failed")
+        return real(kind, text)
+
+    monkeypatch.setattr(constraints, "_template", template)
+    constraints.build([[11, "regex", "[0-9]+ broken"], [12, "regex", "[a-c]+"]])
+    built = []
+    while len(built) < 2:  # both reported, and nothing raised for the other request's sake
+        built += constraints.take_built(wait=5.0)
+    assert sorted(built) == [11, 12]
+    constraints._fresh("regex", "[a-c]+")  # the sound one is there to use
+    with pytest.raises(RuntimeError, match="build of this grammar failed"):
+        constraints._fresh("regex", "[0-9]+ broken")  # in a step of its own request
+    with pytest.raises(RuntimeError):  # and again for the next request that uses it
+        constraints._fresh("regex", "[0-9]+ broken")
