@@ -93,15 +93,21 @@ def _build():
     # and the checkout: torch rebuilds whenever the build file's source path changes, so two
     # checkouts sharing one cache would rebuild (and block on each other's lock) in turn
     checkout = hashlib.sha256(str(SOURCE.resolve()).encode()).hexdigest()[:8]
-    # and the source itself: a changed op (its schema too) is always a fresh build, never
-    # a cached library of the old source that ninja's timestamps took for up to date
-    source = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:8]
+    # OpenMP: at::parallel_for is compiled into the op, and without it runs every work item on
+    # the calling thread whatever torch's thread count (the op shares torch's libgomp)
+    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
+    # and the source itself and its flags: a changed op (its schema too) is always a fresh
+    # build, never a cached library of the old source that ninja's timestamps took for up to
+    # date
+    source = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)
+                            + " ".join(cflags).encode()).hexdigest()[:8]
     name = f"sluice_paged_attention_cpu_{isa.lower()}_{checkout}_{source}"
     _clear_stale_lock(Path(cpp_extension._get_build_directory(name, False)) / "lock")
     cpp_extension.load(
         name=name,
         sources=[str(s) for s in SOURCES],
-        extra_cflags=["-O3", *_ISA_FLAGS.get(isa, [])],
+        extra_cflags=cflags,
+        extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
     )
