@@ -27,7 +27,7 @@ PHASES = {  # range name -> row of the breakdown
     "sluice::sampling": "sampling",
 }
 GEMM_OPS = {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm",
-            "aten::baddbmm"}
+            "aten::baddbmm", "mkldnn::_linear_pointwise"}
 _ABSENT = object()
 ROWS = ("GEMMs", "attention", "KV write", "elementwise", "sampling", "input preparation",
         "Python/other")
