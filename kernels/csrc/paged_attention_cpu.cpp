@@ -8,20 +8,30 @@
 // its own position (causal), so a prefill chunk attends to cached context and to the chunk
 // tokens before it. With a sliding window a row starts at its window's first key, and blocks
 // before the item's earliest window are never visited: a windowed decode costs O(window), not
-// O(context). A soft cap bends each block's scores before the softmax. Work items are handed out dynamically from an atomic counter, largest
-// first, because decodes and long chunks differ in cost by orders of magnitude.
+// O(context). A soft cap bends each block's scores before the softmax. Work items are handed
+// out dynamically from an atomic counter, largest first, because decodes and long chunks
+// differ in cost by orders of magnitude.
+//
+// With AVX-512, an item of few rows (a decode's GQA group, a short chunk) takes each block 16
+// keys at a time with the keys in the vector lanes (see `score_tile`); items of many rows
+// transpose each K block once and score 16 keys per FMA; other builds score one key at a time.
 //
 // Each row's result depends only on its own query and the keys it sees, whatever else is in
 // the call: blocks are visited in the same order and split at the same positions for every
-// row. The one exception is how its scores are summed (one horizontal sum per key, or K
-// transposed with one FMA per dimension), which by default follows the item's row count;
-// `fixed_order` always takes the transposed sum, so a row's bits no longer depend on how its
-// sequence was chunked or on its GQA group's size (the engine's deterministic mode).
+// row. The one exception is how its scores are summed (per 16-key tile, one horizontal sum
+// per key, or K transposed with one FMA per dimension), which by default follows the item's
+// row count; `fixed_order` always takes the transposed sum, so a row's bits no longer depend
+// on how its sequence was chunked or on its GQA group's size (the engine's deterministic
+// mode).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -134,6 +144,104 @@ inline void accumulate(float* acc, float keep, const float* weights, const float
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// A decode's few rows against 16 keys at a time, with the key axis in the vector lanes: the
+// 16 dot products come out as one vector (their partial sums folded together in 45 shuffles
+// and adds, where 16 separate horizontal sums take ~160), the softmax of the 16 runs in
+// vector registers, and PV runs up to four rows at once on each value vector loaded. Used
+// where no transposed K pays (few rows), the block holds whole tiles of 16 keys and head_dim
+// is whole vectors.
+constexpr int64_t kTileKeys = 16;
+// rows of an item that the tiles take (more take the transposed K)
+constexpr int64_t kMaxTileRows = kTransposeRows;
+
+// lane j = the sum of v[j]'s 16 lanes
+inline __m512 sum_lanes_16(__m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: (v2i, v2i+1, v2i, v2i+1) partials
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial of each of v4i..v4i+3
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i) {  // 128-bit lanes pairwise: two per input left
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// acc_r[0, 16 * NC) = acc_r * keep[r] + sum_{j in [begin, end)} w[r][j] * values[j] for NR rows
+// at once: each value vector is loaded once for all of them, and NR * NC independent FMA chains
+// keep the FMA units busy
+template <int NR, int NC>
+inline void accumulate_rows(float* const* acc, const float* keep, const float (*w)[kTileKeys],
+                            const float* values, int64_t stride, int64_t begin, int64_t end) {
+  __m512 sum[NR][NC];
+  for (int r = 0; r < NR; ++r) {
+    const __m512 k = _mm512_set1_ps(keep[r]);
+    for (int n = 0; n < NC; ++n) sum[r][n] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * n), k);
+  }
+  for (int64_t j = begin; j < end; ++j) {
+    __m512 v[NC];
+    for (int n = 0; n < NC; ++n) v[n] = _mm512_loadu_ps(values + j * stride + 16 * n);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 weight = _mm512_set1_ps(w[r][j]);
+      for (int n = 0; n < NC; ++n) sum[r][n] = _mm512_fmadd_ps(weight, v[n], sum[r][n]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int n = 0; n < NC; ++n) _mm512_storeu_ps(acc[r] + 16 * n, sum[r][n]);
+  }
+}
+
+template <int NC>
+inline void accumulate_rows(int rows, float* const* acc, const float* keep,
+                            const float (*w)[kTileKeys], const float* values, int64_t stride,
+                            int64_t begin, int64_t end) {
+  switch (rows) {
+    case 4: return accumulate_rows<4, NC>(acc, keep, w, values, stride, begin, end);
+    case 3: return accumulate_rows<3, NC>(acc, keep, w, values, stride, begin, end);
+    case 2: return accumulate_rows<2, NC>(acc, keep, w, values, stride, begin, end);
+    default: return accumulate_rows<1, NC>(acc, keep, w, values, stride, begin, end);
+  }
+}
+
+// One row's scores against keys [begin, end) of a tile of 16 (keys at `stride` floats apart,
+// all 16 readable): its online softmax's running max and sum move on, and `w` gets the tile's
+// weights (0 outside the row's keys) and `keep` what its output so far is scaled by.
+inline void score_tile(const float* q, const float* keys, int64_t stride, int64_t begin,
+                       int64_t end, int64_t D, float softcap, float& row_max, float& row_sum,
+                       float* w, float& keep) {
+  __m512 dots[kTileKeys];
+  for (int j = 0; j < kTileKeys; ++j) dots[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 qd = _mm512_loadu_ps(q + d);
+    for (int j = 0; j < kTileKeys; ++j) {
+      dots[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(keys + j * stride + d), dots[j]);
+    }
+  }
+  __m512 scores = sum_lanes_16(dots);
+  if (softcap > 0.0f) {
+    scores = (Vec(scores) * Vec(1.0f / softcap)).tanh() * Vec(softcap);
+  }
+  const __mmask16 seen = static_cast<__mmask16>(((1u << end) - 1) & ~((1u << begin) - 1));
+  const float tile_max = _mm512_mask_reduce_max_ps(seen, scores);
+  const float new_max = std::max(row_max, tile_max);
+  keep = std::exp(row_max - new_max);  // exp(-inf) = 0 on the first tile
+  const __m512 shifted = _mm512_sub_ps(scores, _mm512_set1_ps(new_max));
+  // lanes outside the row's keys (another row's, or not written yet) weigh nothing
+  const __m512 weights = _mm512_maskz_mov_ps(seen, Vec(shifted).exp_u20());
+  _mm512_storeu_ps(w, weights);
+  row_sum = row_sum * keep + _mm512_reduce_add_ps(weights);
+  row_max = new_max;
+}
+#endif
+
 struct Scratch {
   std::vector<float> query, acc, row_max, row_sum, scores, keys, values, keys_t;
   int64_t padded_block = 0;  // block size rounded up to whole vectors
@@ -211,6 +319,51 @@ void attend_item(const WorkItem& item, const Layout& l, const scalar_t* query,
     // with many rows per block, scores come from K transposed to [D, B]: one vector of B
     // scores per row is D broadcast FMAs, with no horizontal sum per key
     const bool transposed = fixed_order || rows >= kTransposeRows;
+#if defined(CPU_CAPABILITY_AVX512)
+    if (!transposed && B % kTileKeys == 0 && D % 16 == 0 && rows <= kMaxTileRows) {
+      const float cap = kWindowOrCap ? softcap : 0.0f;
+      alignas(64) float w[kMaxTileRows][kTileKeys];
+      float keep[kMaxTileRows];
+      float* acc[kMaxTileRows];
+      for (int64_t tile = first_needed / kTileKeys * kTileKeys; tile < keys_here;
+           tile += kTileKeys) {
+        int64_t lo = kTileKeys, hi = 0;  // the keys of the tile any row sees
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t pos = first_pos + item.first_token + r / l.group;
+          const int64_t end = std::min<int64_t>(std::min(keys_here, pos - first_key + 1) - tile,
+                                                kTileKeys);
+          const int64_t begin = std::max<int64_t>(
+              (kWindowOrCap && window > 0 ? pos - window + 1 - first_key : 0) - tile, 0);
+          acc[r] = s.acc.data() + r * D;
+          if (end <= begin) {  // none of this tile's keys: the row stays as it is
+            keep[r] = 1.0f;
+            std::fill(w[r], w[r] + kTileKeys, 0.0f);
+            continue;
+          }
+          score_tile(s.query.data() + r * D, keys + tile * stride, stride, begin, end, D, cap,
+                     s.row_max[r], s.row_sum[r], w[r], keep[r]);
+          lo = std::min(lo, begin);
+          hi = std::max(hi, end);
+        }
+        if (hi <= lo) continue;
+        const float* tile_values = values + tile * stride;
+        for (int64_t r = 0; r < rows; r += 4) {
+          const int n = static_cast<int>(std::min<int64_t>(4, rows - r));
+          int64_t d = 0;
+          float* at[4];
+          for (; d + 64 <= D; d += 64) {
+            for (int i = 0; i < n; ++i) at[i] = acc[r + i] + d;
+            accumulate_rows<4>(n, at, keep + r, w + r, tile_values + d, stride, lo, hi);
+          }
+          for (; d < D; d += 16) {
+            for (int i = 0; i < n; ++i) at[i] = acc[r + i] + d;
+            accumulate_rows<1>(n, at, keep + r, w + r, tile_values + d, stride, lo, hi);
+          }
+        }
+      }
+      continue;
+    }
+#endif
     if (transposed) {
       for (int64_t j = first_needed; j < keys_here; ++j) {
         for (int64_t d = 0; d < D; ++d) s.keys_t[d * s.padded_block + j] = keys[j * stride + d];

@@ -81,6 +81,24 @@ def test_bf16_accumulates_in_fp32(shape):
     torch.testing.assert_close(got.float(), exact, atol=BF16_ATOL, rtol=0.0)
 
 
+@pytest.mark.parametrize("head_dim", [40, 80, 96, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (20, 0.0), (0, 2.0), (33, 5.0)])
+def test_every_head_dim_and_option_matches_the_reference(head_dim, dtype, window, softcap):
+    # head dims of whole 64-float groups, of single vectors past them, and of neither; decodes
+    # and chunks in one call (their few rows go through 16-key tiles where the vectors allow)
+    batch = random_paged_batch(mixed_shape((6, 2), 16, head_dim=head_dim), dtype=dtype,
+                               seed=head_dim)
+    got = cpu_paged.paged_attention(*batch.attention_args(), window=window, softcap=softcap,
+                                    max_in_place_query=EVERYTHING_IN_PLACE)
+    want = reference.paged_attention(
+        batch.query.float(), batch.key_cache.float(), batch.value_cache.float(),
+        batch.block_tables, batch.query_start_loc, batch.seq_lens, batch.scale,
+        window=window, softcap=softcap)
+    torch.testing.assert_close(got.float(), want,
+                               atol=FP32_ATOL if dtype == torch.float32 else BF16_ATOL, rtol=0.0)
+
+
 def test_prefix_cache_hits_share_blocks_and_start_mid_pool():
     # three sequences over the same two cached blocks: a chunk resuming at 32, a decode and a
     # short chunk, each continuing into blocks of its own
