@@ -46,8 +46,9 @@ MAX_IN_PLACE_QUERY = 4
 FIXED_ORDER_ALL_IN_PLACE = 1 << 30  # max_in_place_query of `fixed_order`: every chunk
 STALE_LOCK_SECONDS = 600.0  # a build takes well under a minute; ten is a dead builder
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
-# built into the same library: the sampler's full-vocabulary race (`sluice.kernels.race`)
-SOURCES = (SOURCE, SOURCE.with_name("sampling_race_cpu.cpp"))
+# built into the same library: the sampler's full-vocabulary race (`sluice.kernels.race`) and
+# the decoder's fused elementwise steps (`sluice.kernels.elementwise`)
+SOURCES = (SOURCE, SOURCE.with_name("sampling_race_cpu.cpp"), SOURCE.with_name("fused_cpu.cpp"))
 # compile flags per ISA that torch itself detected on this CPU; the ISA is part of the
 # extension's name, so a cache shared between machines never loads a build for another CPU
 _ISA_FLAGS = {
@@ -94,8 +95,10 @@ def _build():
     # checkouts sharing one cache would rebuild (and block on each other's lock) in turn
     checkout = hashlib.sha256(str(SOURCE.resolve()).encode()).hexdigest()[:8]
     # OpenMP: at::parallel_for is compiled into the op, and without it runs every work item on
-    # the calling thread whatever torch's thread count (the op shares torch's libgomp)
-    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
+    # the calling thread whatever torch's thread count (the op shares torch's libgomp). No
+    # contraction of a product and a sum into one FMA where the source does not ask for one:
+    # the fused elementwise ops round as torch's separate ops do
+    cflags = ["-O3", "-fopenmp", "-ffp-contract=off", *_ISA_FLAGS.get(isa, [])]
     # and the source itself and its flags: a changed op (its schema too) is always a fresh
     # build, never a cached library of the old source that ninja's timestamps took for up to
     # date

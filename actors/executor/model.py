@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from sluice import kernels
+from sluice.kernels import elementwise
 from sluice.actors.executor.config import ModelConfig  # noqa: F401 (its home before config.py)
 from sluice.actors.executor.moe import MoEMLP
 from sluice.actors.executor.rotary import rotary_tables
@@ -137,6 +138,18 @@ class LlamaModel:
         self.gather_logits = _identity
         self.packed = False  # see `pack_weights`
         self.pack_weights(packs_weights(self.device, dtype))
+        # the residual add with RMSNorm, and rotary: one fused pass over each row where the CPU
+        # op runs them (bf16 and fp16, see `sluice.kernels.elementwise`), else torch's ops
+        fused = elementwise.available_for(self.device, dtype)
+        self._add_rms_norm = _fused_add_rms_norm if fused else _add_rms_norm
+        self._rotate = _fused_rotate if fused else _rotate
+        self._swiglu = (elementwise.silu_mul if fused and config.hidden_act == "silu"
+                        else self._gated)
+
+    def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """activation(gate) * up, for gate_up holding (gate, up) side by side."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.activation(gate) * up
 
     def use_deterministic(self, on: bool = True) -> None:
         """Turn the deterministic mode on or off (see the module's docstring): every matmul in
@@ -238,6 +251,7 @@ class LlamaModel:
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         linear = self._linear
+        add_rms_norm, rotate = self._add_rms_norm, self._rotate
         rows = input_ids.shape[0]
         pad = self.padded_rows(rows) - rows
         if pad:  # padding rows: token 0 at position 0, never attended to or written to KV
@@ -250,13 +264,13 @@ class LlamaModel:
                   for tables in self.rotary_tables]
         residual = None
         for layer, (key_cache, value_cache) in zip(self.layers, kv_pool):
-            normed, residual = _add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            normed, residual = add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             qkv = linear(normed, layer.qkv, layer.qkv_bias)
             # q and k sit side by side in qkv's rows: one norm and one rotary pass over both
             qk = qkv[:, :q_size + kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             if layer.qk_norm is not None:
-                qk, _ = _add_rms_norm(qk, None, layer.qk_norm, cfg.rms_norm_eps)
-            qk = _rotate(qk, *rotary[layer.rotary])
+                qk, _ = add_rms_norm(qk, None, layer.qk_norm, cfg.rms_norm_eps)
+            qk = rotate(qk, *rotary[layer.rotary])
             q, k = qk[:rows].split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:rows, q_size + kv_size:].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             kernels.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
@@ -269,17 +283,16 @@ class LlamaModel:
             hidden = self.all_reduce(linear(F.pad(attended, (0, 0, 0, pad)) if pad
                                             else attended, layer.o_proj))
             if layer.attn_out_norm is not None:
-                hidden, _ = _add_rms_norm(hidden, None, layer.attn_out_norm, cfg.rms_norm_eps)
-            normed, residual = _add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
+                hidden, _ = add_rms_norm(hidden, None, layer.attn_out_norm, cfg.rms_norm_eps)
+            normed, residual = add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             if layer.moe is not None:
                 hidden = layer.moe(normed)
             else:
-                gate, up = linear(normed, layer.gate_up).chunk(2, dim=-1)
-                hidden = linear(self.activation(gate) * up, layer.down)
+                hidden = linear(self._swiglu(linear(normed, layer.gate_up)), layer.down)
             hidden = self.all_reduce(hidden)
             if layer.mlp_out_norm is not None:
-                hidden, _ = _add_rms_norm(hidden, None, layer.mlp_out_norm, cfg.rms_norm_eps)
-        normed, _ = _add_rms_norm(hidden, residual, self.final_norm, cfg.rms_norm_eps)
+                hidden, _ = add_rms_norm(hidden, None, layer.mlp_out_norm, cfg.rms_norm_eps)
+        normed, _ = add_rms_norm(hidden, residual, self.final_norm, cfg.rms_norm_eps)
         return normed[:rows]
 
     @torch.inference_mode()
@@ -389,6 +402,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
     # the reference's exact expression (no fused multiply-add): float32 stays bit-identical
     return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+def _fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_add_rms_norm` in one pass per row where the fused op takes it (rows of hidden states
+    with a weight in their dtype; not Qwen3's per-head norms or Gemma's float32 weights)."""
+    if x.dim() == 2 and weight.dim() == 1 and weight.dtype == x.dtype:
+        return elementwise.add_rms_norm(x, residual, weight, eps)
+    return _add_rms_norm(x, residual, weight, eps)
+
+
+def _fused_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`_rotate` in one pass per row where the fused op takes it (whole heads side by side)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.shape[2] % 2 == 0:
+        return elementwise.rotate(x, cos, sin)
+    return _rotate(x, cos, sin)
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
