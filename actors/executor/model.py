@@ -10,7 +10,9 @@ loading lives in `loader.py`, batching in `runner.py`, rotary tables (with their
 
 Weights run in the model dtype (the KV pool may have its own); the residual add and RMSNorm
 are one function and rotary covers q and k in one pass, both computed in float32 with the
-reference implementation's expressions, so float32 output matches it exactly.
+reference implementation's expressions, so float32 output matches it exactly. On CPU in bf16
+and fp16 they, and SwiGLU, run as fused C++ ops that round where torch does
+(`sluice.kernels.elementwise`), and the matmul weights are packed once (`pack_weights`).
 
 In the deterministic mode (`use_deterministic`) a token's hidden states and logits depend only
 on its own context, never on what else is in the step, how its prompt was chunked or whether
