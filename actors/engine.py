@@ -16,7 +16,7 @@ import torch
 
 from sluice.actors.executor.runner import ModelRunner
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
-from sluice.actors.scheduler.errors import InvalidRequest
+from sluice.ipc.vocabulary import InvalidRequestError
 from sluice.actors.scheduler.plan import RequestOutput, StepResult
 from sluice.ipc.vocabulary import InvalidParams, SamplingParams
 from sluice.actors.scheduler.step_budget import StepBudget
@@ -117,15 +117,16 @@ class Engine:
                     prompt_token_ids: list[int] | None = None,
                     sampling: SamplingParams | None = None, request_id: str | None = None,
                     tenant: str = "default", priority: int = 0) -> str:
-        """Queue one request; raises `Rejected` (or `InvalidParams`) naming what is wrong."""
+        """Queue one request; raises a `RejectedError` (`sluice.ipc.errors`: `InvalidRequestError`,
+        `TooLongError`, `QuotaError`, `OverloadedError`) naming what is wrong."""
         sampling = sampling or SamplingParams()
         try:
             ids = self._prompt_ids(prompt, messages, prompt_token_ids)
         except InvalidParams as exc:
-            raise InvalidRequest(exc.field, exc.message) from exc
+            raise InvalidRequestError.about(exc.field, exc.message) from exc
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._tracked:
-            raise InvalidRequest("request_id", f"{request_id!r} is already in use")
+            raise InvalidRequestError.about("request_id", f"{request_id!r} is already in use")
         self.scheduler.add_request(Request(request_id, ids, sampling, tenant=tenant,
                                            priority=priority))
         self._tracked[request_id] = _Tracked(RequestText(self.tokenizer, sampling.stop, len(ids)),

@@ -36,7 +36,7 @@ import trio
 
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status
-from sluice.ipc.errors import RejectedError, SluiceError
+from sluice.ipc.vocabulary import RejectedError, SluiceError
 
 import soak_daemon as sd
 import soak_faults as sf

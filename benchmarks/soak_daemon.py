@@ -26,7 +26,7 @@ import zmq
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec
 from sluice.ipc.control import fetch_status
-from sluice.ipc.errors import SluiceError
+from sluice.ipc.vocabulary import SluiceError
 from sluice.ipc.sockets import Socket
 
 from soak_http import HTTP_KEYS, WEB_STRANGERS, WEB_TRICKLERS

@@ -15,7 +15,7 @@ import trio
 
 from sluice.ipc import messages as m
 from sluice.ipc.control import fetch_status, send_command
-from sluice.ipc.errors import SluiceError
+from sluice.ipc.vocabulary import SluiceError
 
 from soak_daemon import DaemonProcess, worker_pid
 from soak_wire import OWNERS, RawClient, Tally, generate

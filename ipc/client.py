@@ -33,7 +33,8 @@ import zmq
 
 from sluice.ipc import messages as m
 from sluice.ipc.codec import Codec, CodecError
-from sluice.ipc.errors import DaemonGone, InvalidRequestError, SluiceError, error_for
+from sluice.ipc.errors import DaemonGone, error_for
+from sluice.ipc.vocabulary import InvalidRequestError, SluiceError
 from sluice.ipc.sockets import Socket
 from sluice.ipc.vocabulary import InvalidParams, SamplingParams, choice_seed, grammar_of
 

@@ -3,9 +3,11 @@
 A client's sampling parameters travel unchanged from the frame that carries them to the
 worker that samples with them; a request ends with the `FinishReason`, or is refused with the
 `RejectCode`, that the scheduler core chose, and the client receives that value, never a
-spelling of it. The scheduler core (`sluice.actors.scheduler`) imports this module and
-`messages` puts the same types on the wire, so it imports nothing of sluice and nothing but
-the standard library: no sockets, no trio, no msgpack.
+spelling of it; the refusal's exception (`RejectedError`, one subclass per code) is the same
+class in the core, the engine and the client library. The scheduler core
+(`sluice.actors.scheduler`) imports this module and `messages` puts the same types on the
+wire, so it imports nothing of sluice and nothing but the standard library: no sockets, no
+trio, no msgpack.
 
 What does not belong here: messages (see `messages`), encoding (see `codec`).
 """
@@ -28,6 +30,70 @@ class RejectCode(enum.IntEnum):
     QUOTA = 5  # the tenant is over its limits
     UNAUTHORIZED = 6
     PROTOCOL_VERSION = 7  # the frame's major version differs from the daemon's
+
+
+# -- refusals: one tree, raised by the scheduler core, the engine and the client library --
+
+class SluiceError(Exception):
+    """Base of every error sluice's client library and engine raise."""
+
+
+class RejectedError(SluiceError):
+    """A request sluice will not take: its `code`, the `field` it is about (dotted, as the
+    client named it, e.g. "max_tokens"; nobody reads a field out of the text) and a human
+    `message`."""
+
+    code: RejectCode = RejectCode.INVALID
+
+    def __init__(self, message: str, *, field: str = "", request_id: str = "",
+                 retry_after: float = 0.0):
+        named = field and not message.startswith(f"{field}: ")
+        super().__init__(f"{self.code.name.lower()}: {message}" + (f" [{field}]" if named else ""))
+        self.message = message
+        self.field = field
+        self.request_id = request_id
+        self.retry_after = retry_after  # seconds the daemon says to wait (0.0: no estimate)
+
+    @classmethod
+    def about(cls, field: str, message: str, *, retry_after: float = 0.0) -> RejectedError:
+        """The refusal of what `field` holds, its message led by the field's name."""
+        return cls(f"{field}: {message}" if field else message, field=field,
+                   retry_after=retry_after)
+
+
+class InvalidRequestError(RejectedError):
+    code = RejectCode.INVALID
+
+
+class TooLongError(RejectedError):
+    code = RejectCode.TOO_LONG
+
+
+class OverloadedError(RejectedError):
+    code = RejectCode.OVERLOADED
+
+
+class DrainingError(RejectedError):
+    code = RejectCode.DRAINING
+
+
+class QuotaError(RejectedError):
+    code = RejectCode.QUOTA
+
+
+class UnauthorizedError(RejectedError):
+    code = RejectCode.UNAUTHORIZED
+
+
+class ProtocolVersionError(RejectedError):
+    code = RejectCode.PROTOCOL_VERSION
+
+
+REJECTED_ERRORS: dict[RejectCode, type[RejectedError]] = {
+    cls.code: cls
+    for cls in (InvalidRequestError, TooLongError, OverloadedError, DrainingError, QuotaError,
+                UnauthorizedError, ProtocolVersionError)
+}
 
 
 class FinishReason(enum.IntEnum):

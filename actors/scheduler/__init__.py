@@ -7,24 +7,18 @@ drive this core; the simulator (`simulator.py`) drives it with a cost model inst
 """
 
 from sluice.actors.scheduler.config import ConfigError, SchedulerConfig, TenantConfig
-from sluice.actors.scheduler.errors import AdmissionError, InvalidRequest, Overloaded, Quota, TooLong
 from sluice.actors.scheduler.kv_cache import KVCacheManager
 from sluice.actors.scheduler.request import Request, RequestState
 from sluice.actors.scheduler.scheduler import Scheduler
 from sluice.actors.scheduler.tenant_ledger import TenantLedger
 
 __all__ = [
-    "AdmissionError",
     "ConfigError",
-    "InvalidRequest",
     "KVCacheManager",
-    "Overloaded",
-    "Quota",
     "Request",
     "RequestState",
     "Scheduler",
     "SchedulerConfig",
     "TenantConfig",
     "TenantLedger",
-    "TooLong",
 ]

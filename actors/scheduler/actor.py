@@ -24,11 +24,12 @@ from sluice.actors.executor.protocol import PlanFrame, ResultFrame, StepOutOfMem
 from sluice.actors.executor.worker import decode_result, encode_plan
 from sluice.actors.front.limits import Limits, clip
 from sluice.actors.runtime.reports import Backlog, Histogram, MetricsQuery, MetricsSnapshot
-from sluice.actors.scheduler import AdmissionError, Request, Scheduler
+from sluice.actors.scheduler import Request, Scheduler
 from sluice.actors.scheduler.latency import LatencyLog
 from sluice.actors.scheduler.plan import RequestOutput, StepOutputs, StepPlan, StepResult
 from sluice.actors.scheduler.step_budget import StepBudget
 from sluice.ipc import messages as m
+from sluice.ipc.vocabulary import RejectedError
 
 log = structlog.get_logger("sluice.scheduler")
 _LOG_LIMITS = Limits()  # request ids carry the client's own id: logged cut to the default width
@@ -168,7 +169,7 @@ class SchedulerActor(Actor):
                               tenant=msg.tenant, priority=msg.priority, arrival_time=msg.arrival,
                               timeout=msg.timeout)
             self.core.add_request(request)
-        except AdmissionError as exc:
+        except RejectedError as exc:
             self.counters["rejected"] += 1
             self.tokenizer.put(am.AdmissionRefused(msg.request_id, exc.code, exc.message,
                                                    exc.field, exc.retry_after))

@@ -25,8 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sluice.actors.scheduler.config import TenantConfig
-from sluice.actors.scheduler.errors import TooLong
 from sluice.actors.scheduler.request import Request
+from sluice.ipc.vocabulary import TooLongError
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
@@ -104,13 +104,14 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def check_fits(self, prompt_tokens: int, total_tokens: int) -> None:
-        """Raise `TooLong` unless a request could finish alone in the pool: one that cannot
+        """Raise `TooLongError` unless a request could finish alone in the pool: one that cannot
         would be preempted forever."""
         pool = f"the KV pool ({self.num_total_blocks * self.block_size} tokens)"
         if self.blocks_for(prompt_tokens + 1) > self.num_total_blocks:
-            raise TooLong("prompt_token_ids", f"{prompt_tokens} tokens do not fit {pool}")
+            raise TooLongError.about("prompt_token_ids",
+                                     f"{prompt_tokens} tokens do not fit {pool}")
         if self.blocks_for(total_tokens) > self.num_total_blocks:
-            raise TooLong(
+            raise TooLongError.about(
                 "max_tokens", f"prompt + max_tokens = {total_tokens} tokens do not fit {pool}"
             )
 

@@ -11,10 +11,8 @@ import enum
 import random
 from dataclasses import dataclass, field
 
-from sluice.actors.scheduler.errors import InvalidRequest
 from sluice.actors.scheduler.plan import RequestCost, RequestOutput
-from sluice.ipc.vocabulary import SamplingParams
-from sluice.ipc.vocabulary import FinishReason
+from sluice.ipc.vocabulary import FinishReason, InvalidRequestError, SamplingParams
 
 
 class RequestState(enum.Enum):
@@ -129,18 +127,20 @@ class Request:
         return start - (self.arrival_time or 0.0)
 
     def check_fields(self) -> None:
-        """Raise `InvalidRequest` naming the first field a caller filled in wrong."""
+        """Raise `InvalidRequestError` naming the first field a caller filled in wrong."""
         rid, prompt = self.request_id, self.prompt_token_ids
         if not isinstance(rid, str) or not rid:
-            raise InvalidRequest("request_id", "must be a non-empty string")
+            raise InvalidRequestError.about("request_id", "must be a non-empty string")
         if not isinstance(self.sampling, SamplingParams):
-            raise InvalidRequest("sampling", "must be SamplingParams")
+            raise InvalidRequestError.about("sampling", "must be SamplingParams")
         if not isinstance(prompt, list) or not prompt:
-            raise InvalidRequest("prompt_token_ids", "must be a non-empty list of token ids")
+            raise InvalidRequestError.about("prompt_token_ids",
+                                            "must be a non-empty list of token ids")
         if not all(isinstance(t, int) and t >= 0 for t in prompt):
-            raise InvalidRequest("prompt_token_ids", "every token id must be an integer >= 0")
+            raise InvalidRequestError.about("prompt_token_ids",
+                                            "every token id must be an integer >= 0")
         if not isinstance(self.priority, int):
-            raise InvalidRequest("priority", "must be an integer")
+            raise InvalidRequestError.about("priority", "must be an integer")
 
     def prepare(
         self, now: float, rng: random.Random, eos_token_ids: frozenset[int], max_model_len: int

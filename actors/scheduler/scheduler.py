@@ -18,7 +18,6 @@ from typing import Any
 
 from sluice.actors.scheduler.bisection import PoisonBisection
 from sluice.actors.scheduler.config import SchedulerConfig, TenantConfig
-from sluice.actors.scheduler.errors import InvalidRequest, Overloaded, TooLong
 from sluice.actors.scheduler.grammar_gate import GrammarGate
 from sluice.actors.scheduler.invariants import check_invariants
 from sluice.actors.scheduler.kv_cache import KVCacheManager
@@ -30,7 +29,7 @@ from sluice.actors.scheduler.request import FAILED_REASONS, Request, RequestStat
 from sluice.actors.scheduler.request_table import RequestTable
 from sluice.actors.scheduler.tenant_ledger import TenantLedger
 from sluice.actors.scheduler.tenant_limits import Deadlines, KVCaps
-from sluice.ipc.vocabulary import FinishReason
+from sluice.ipc.vocabulary import FinishReason, InvalidRequestError, OverloadedError, TooLongError
 
 PREFILLING, DECODING, PAUSED = RequestState.PREFILLING, RequestState.DECODING, RequestState.PAUSED
 
@@ -102,17 +101,19 @@ class Scheduler:
     def _validate(self, request: Request) -> None:
         request.check_fields()
         if request.request_id in self.requests:
-            raise InvalidRequest("request_id", f"{request.request_id!r} is already in use")
+            raise InvalidRequestError.about("request_id",
+                                            f"{request.request_id!r} is already in use")
         self.ledger.check_exists(request.tenant)
         n = len(request.prompt_token_ids)
         if n + 1 > self.max_model_len:
-            raise TooLong("prompt_token_ids", f"{n} tokens leave no room to generate "
-                          f"within max_model_len {self.max_model_len}")
+            raise TooLongError.about("prompt_token_ids", f"{n} tokens leave no room to generate "
+                                     f"within max_model_len {self.max_model_len}")
         self.kv_cache.check_fits(n, min(n + request.sampling.max_tokens, self.max_model_len))
         self.kv_caps.check(request)
         self.ledger.check_quota(request)
         if len(self.waiting) >= self.config.max_queued:
-            raise Overloaded("queue", f"{len(self.waiting)} requests are already waiting")
+            raise OverloadedError.about("queue",
+                                        f"{len(self.waiting)} requests are already waiting")
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED,
               error: str = "") -> RequestOutput | None:

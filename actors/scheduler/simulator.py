@@ -11,13 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.actors.scheduler.errors import Quota
 from sluice.actors.scheduler.scheduler import Scheduler
 from sluice.actors.scheduler.plan import StepResult
-from sluice.ipc.vocabulary import SamplingParams
 from sluice.actors.scheduler.request import Request
 from sluice.actors.scheduler.scenario import Scenario, SimRequest, percentile
-from sluice.ipc.vocabulary import FinishReason
+from sluice.ipc.vocabulary import FinishReason, QuotaError, SamplingParams
 
 _TOKEN = 1  # what the simulated model always samples; never a stop token
 # simulated seconds between looks while only token buckets hold requests back; a bucket
@@ -151,7 +149,7 @@ def simulate(scenario: Scenario, *, check_invariants: bool = False) -> Simulatio
             trace = traces[spec.id] = RequestTrace(spec.tenant, arrival)
             try:
                 sched.add_request(_make_request(spec, arrival, len(traces), prefixes))
-            except Quota as exc:  # a tenant's limit refuses it, as the daemon would
+            except QuotaError as exc:  # a tenant's limit refuses it, as the daemon would
                 trace.rejected, trace.retry_after = exc.code.name.lower(), exc.retry_after
                 trace.finish_time = now
         cancelled = []

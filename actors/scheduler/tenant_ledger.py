@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.actors.scheduler.config import DEFAULT_TENANT, SchedulerConfig, TenantConfig
-from sluice.actors.scheduler.errors import InvalidRequest, Quota
 from sluice.actors.scheduler.request import Request
 from sluice.actors.scheduler.tenant_limits import TenantRates
+from sluice.ipc.vocabulary import InvalidRequestError, QuotaError
 
 
 @dataclass(slots=True)
@@ -109,25 +109,25 @@ class TenantLedger:
         return self.config.tenant(name)
 
     def check_exists(self, name: object) -> None:
-        """Raise `InvalidRequest` for a tenant a request may not name; checked before any
+        """Raise `InvalidRequestError` for a tenant a request may not name; checked before any
         other tenant check, so an invented name costs no table entry."""
         if not isinstance(name, str) or not self.config.tenant_exists(name):
-            raise InvalidRequest(
+            raise InvalidRequestError.about(
                 "tenant", f"{name!r} is not a tenant here (an operator creates tenants)"
             )
 
     def check_quota(self, request: Request) -> None:
-        """Raise `Quota` when the request is beyond what its tenant may ask for or queue."""
+        """Raise `QuotaError` when the request is beyond what its tenant may ask for or queue."""
         limits = self.config.tenant(request.tenant)
         max_tokens = request.sampling.max_tokens
         n = len(request.prompt_token_ids)
         if limits.max_new_tokens is not None and max_tokens > limits.max_new_tokens:
-            raise Quota(
+            raise QuotaError.about(
                 "max_tokens", f"tenant {request.tenant!r} allows at most {limits.max_new_tokens}, "
                 f"got {max_tokens}"
             )
         if limits.max_context is not None and n + max_tokens > limits.max_context:
-            raise Quota(
+            raise QuotaError.about(
                 "prompt_token_ids", f"prompt + max_tokens = {n + max_tokens} "
                 f"exceeds tenant {request.tenant!r}'s max_context {limits.max_context}"
             )
@@ -135,7 +135,7 @@ class TenantLedger:
         queued = tenant.waiting if tenant is not None else 0  # no state yet: nothing queued
         max_queued = self.config.max_queued_of(request.tenant)
         if max_queued is not None and queued >= max_queued:
-            raise Quota(
+            raise QuotaError.about(
                 "tenant", f"{request.tenant!r} already has {queued} requests queued "
                 f"(max_queued {max_queued})"
             )
@@ -149,17 +149,17 @@ class TenantLedger:
             return
         field = self.rates.exceeds(request)
         if field is not None:
-            raise Quota(field, f"exceeds what tenant {request.tenant!r} may use per minute "
-                        f"({limits.input_tokens_per_minute} input, "
-                        f"{limits.output_tokens_per_minute} output tokens)")
+            raise QuotaError.about(field, f"exceeds what tenant {request.tenant!r} may use per "
+                                   f"minute ({limits.input_tokens_per_minute} input, "
+                                   f"{limits.output_tokens_per_minute} output tokens)")
         if limits.max_queue_wait is None:
             return
         ahead = (tenant.queued_input, tenant.queued_output) if tenant is not None else (0, 0)
         wait = self.rates.wait(request, self.clock(), *ahead)
         if wait > limits.max_queue_wait:
-            raise Quota("tenant", f"{request.tenant!r} is over its token rate: this request "
-                        f"would wait {wait:.1f} s (max_queue_wait {limits.max_queue_wait})",
-                        retry_after=wait)
+            raise QuotaError.about("tenant", f"{request.tenant!r} is over its token rate: this "
+                                   f"request would wait {wait:.1f} s (max_queue_wait "
+                                   f"{limits.max_queue_wait})", retry_after=wait)
 
     def clamp_priority(self, request: Request) -> None:
         """Lower a priority above the tenant's `max_priority` to it."""

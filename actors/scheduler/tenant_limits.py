@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sluice.actors.scheduler.config import TenantConfig
-from sluice.actors.scheduler.errors import Quota
 from sluice.actors.scheduler.request import Request
+from sluice.ipc.vocabulary import QuotaError
 
 
 @dataclass(slots=True)
@@ -129,8 +129,8 @@ class KVCaps:
         cap = self.limits(request.tenant).max_kv_blocks
         tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
         if cap is not None and self.blocks_for(tokens) > cap:
-            raise Quota("max_tokens", f"prompt + max_tokens need more KV blocks than tenant "
-                        f"{request.tenant!r}'s max_kv_blocks {cap}")
+            raise QuotaError.about("max_tokens", f"prompt + max_tokens need more KV blocks than "
+                                   f"tenant {request.tenant!r}'s max_kv_blocks {cap}")
 
     def room(self, name: str) -> int | None:
         """Blocks the tenant may still take (None: no cap)."""

@@ -107,7 +107,7 @@ def load_workload(args: argparse.Namespace) -> list[dict]:
 
 
 async def _one(client, item: dict, tenant: str, args, samples: list[Sample]) -> None:
-    from sluice.ipc.errors import RejectedError
+    from sluice.ipc.vocabulary import RejectedError
 
     sample = Sample(tenant, time.perf_counter())
     samples.append(sample)
@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
     import trio
 
     from sluice.daemon.commands.http_load import HttpLoadError
-    from sluice.ipc.errors import SluiceError
+    from sluice.ipc.vocabulary import SluiceError
 
     from sluice.daemon.commands.bench_record import header
     from sluice.daemon.heap import settle_collector

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from sluice.actors.engine import Engine
     from sluice.actors.executor.worker import model_label
     from sluice.actors.executor.model_files import ModelLoadError
-    from sluice.actors.scheduler.errors import AdmissionError
+    from sluice.ipc.vocabulary import RejectedError
     from sluice.ipc.vocabulary import InvalidParams
 
     try:
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                     sys.stdout.flush()
                 if out.finished:
                     finished = out
-    except (ModelLoadError, AdmissionError, InvalidParams, ValueError) as exc:
+    except (ModelLoadError, RejectedError, InvalidParams, ValueError) as exc:
         print(f"sluice generate: {exc}", file=sys.stderr)
         return 2
     if args.json:

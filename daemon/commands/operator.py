@@ -42,7 +42,7 @@ def run_command(args: argparse.Namespace, command: object) -> int:
     """Send `command`, print the reply (text or `--json`); exit 0 done, 1 refused, 2 no daemon."""
     from sluice.ipc.codec import to_plain
     from sluice.ipc.control import send_command_sync
-    from sluice.ipc.errors import SluiceError
+    from sluice.ipc.vocabulary import SluiceError
 
     name = type(command).__name__
     try:

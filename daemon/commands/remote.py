@@ -58,7 +58,7 @@ def nothing_listens(address: str) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from sluice.ipc.client import Client
-    from sluice.ipc.errors import SluiceError
+    from sluice.ipc.vocabulary import SluiceError
 
     address = args.connect or DEFAULT_CONNECT
     if (why := nothing_listens(address)) is not None:

@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sluice.ipc.codec import to_plain
     from sluice.ipc.control import fetch_status_sync
-    from sluice.ipc.errors import SluiceError
+    from sluice.ipc.vocabulary import SluiceError
 
     from sluice.daemon.config import default_control_address
 

@@ -55,7 +55,7 @@ def _list(args: argparse.Namespace) -> int:
     from sluice.ipc import messages as m
     from sluice.ipc.codec import to_plain
     from sluice.ipc.control import send_command_sync
-    from sluice.ipc.errors import SluiceError
+    from sluice.ipc.vocabulary import SluiceError
 
     try:
         snap = send_command_sync(control_address(args), m.Subscribe(ttl=0.5),

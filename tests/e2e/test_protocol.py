@@ -10,7 +10,7 @@ import zmq
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.codec import Codec
-from sluice.ipc.errors import InvalidRequestError, TooLongError
+from sluice.ipc.vocabulary import InvalidRequestError, TooLongError
 from sluice.ipc.sockets import Socket
 
 NULL_TEXT = " the quick brown fox jumps over the lazy dog"

@@ -10,15 +10,10 @@ import trio
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import send_command
-from sluice.ipc.errors import (
-    REJECTED_ERRORS,
-    DrainingError,
-    InvalidRequestError,
-    OverloadedError,
-    QuotaError,
-    RejectedError,
+from sluice.ipc.errors import error_for
+from sluice.ipc.vocabulary import (
+    REJECTED_ERRORS, DrainingError, InvalidRequestError, OverloadedError, QuotaError, RejectedError,
     TooLongError,
-    error_for,
 )
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails this test instead of the suite

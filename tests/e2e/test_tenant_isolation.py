@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
-from sluice.ipc.errors import InvalidRequestError, QuotaError
+from sluice.ipc.vocabulary import InvalidRequestError, QuotaError
 
 PROMPT = "Tell me everything about the rivers of Europe, from the Danube to the Rhine. " * 3
 

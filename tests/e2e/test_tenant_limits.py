@@ -16,7 +16,7 @@ import trio
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
-from sluice.ipc.errors import InvalidRequestError, QuotaError
+from sluice.ipc.vocabulary import InvalidRequestError, QuotaError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,7 @@ import trio
 
 from sluice.actors.front.limits import Limits
 from sluice.ipc.client import AsyncClient
-from sluice.ipc.errors import InvalidRequestError
+from sluice.ipc.vocabulary import InvalidRequestError
 
 pytestmark = pytest.mark.timeout(120)
 

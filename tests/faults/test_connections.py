@@ -20,7 +20,7 @@ from sluice.actors.front.stream import Stream
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status
-from sluice.ipc.errors import OverloadedError
+from sluice.ipc.vocabulary import OverloadedError
 
 from support.raw_peer import RawPeer
 

@@ -9,7 +9,7 @@ import trio
 
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status
-from sluice.ipc.errors import DrainingError
+from sluice.ipc.vocabulary import DrainingError
 
 # ~36k tokens, tokenized off the trio thread in a few tenths of a second each
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4000

@@ -20,7 +20,7 @@ import zmq
 
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient, Client
-from sluice.ipc.errors import InvalidRequestError, OverloadedError
+from sluice.ipc.vocabulary import InvalidRequestError, OverloadedError
 
 from support.raw_peer import RawPeer
 

@@ -12,7 +12,7 @@ import trio
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status
-from sluice.ipc.errors import InvalidRequestError, TooLongError
+from sluice.ipc.vocabulary import InvalidRequestError, TooLongError
 
 from support.daemon import http_get, samples
 from support.raw_peer import RawPeer

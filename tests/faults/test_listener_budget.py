@@ -34,7 +34,7 @@ from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.codec import Codec
 from sluice.ipc.control import fetch_status
-from sluice.ipc.errors import UnauthorizedError
+from sluice.ipc.vocabulary import UnauthorizedError
 
 client_codec = Codec(m.CLIENT_MESSAGES)
 FD_LIMIT = 2048

@@ -19,7 +19,7 @@ import trio
 from sluice.actors.text import load_tokenizer
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
-from sluice.ipc.errors import InvalidRequestError
+from sluice.ipc.vocabulary import InvalidRequestError
 from sluice.ipc.vocabulary import SamplingParams
 
 from support.raw_peer import RawPeer

@@ -11,7 +11,8 @@ from support.daemon import assert_consistent
 
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status
-from sluice.ipc.errors import DaemonGone, DrainingError
+from sluice.ipc.errors import DaemonGone
+from sluice.ipc.vocabulary import DrainingError
 
 
 async def test_sigterm_drains_running_requests_and_exits_zero(tmp_path, daemon_process) -> None:

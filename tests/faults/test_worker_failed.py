@@ -19,7 +19,7 @@ import trio
 from sluice.daemon.main import EXIT_WORKER
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status
-from sluice.ipc.errors import OverloadedError
+from sluice.ipc.vocabulary import OverloadedError
 
 pytestmark = pytest.mark.timeout(400)  # a hang fails this test instead of the suite
 

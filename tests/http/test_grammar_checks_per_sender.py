@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from sluice.ipc.client import AsyncClient
-from sluice.ipc.errors import InvalidRequestError
+from sluice.ipc.vocabulary import InvalidRequestError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,7 @@ import trio
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import send_command
-from sluice.ipc.errors import InvalidRequestError
+from sluice.ipc.vocabulary import InvalidRequestError
 
 pytestmark = pytest.mark.timeout(120)
 

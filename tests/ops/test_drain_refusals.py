@@ -15,7 +15,7 @@ from sluice.daemon.commands.status import run as status_command
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
-from sluice.ipc.errors import SluiceError
+from sluice.ipc.vocabulary import SluiceError
 
 from support.daemon import http_get, samples
 

@@ -10,7 +10,7 @@ import trio
 from sluice.ipc import messages as m
 from sluice.ipc.client import AsyncClient
 from sluice.ipc.control import fetch_status, send_command
-from sluice.ipc.errors import SluiceError
+from sluice.ipc.vocabulary import SluiceError
 
 pytestmark = pytest.mark.timeout(240)  # a hang fails this test instead of the suite
 

@@ -10,7 +10,7 @@ from support.daemon import assert_drained_and_consistent_sync
 from sluice.ipc import messages as m
 from sluice.ipc.client import Client
 from sluice.ipc.control import fetch_status_sync, send_command_sync
-from sluice.ipc.errors import SluiceError
+from sluice.ipc.vocabulary import SluiceError
 from sluice.tui.app import SluiceTop
 from sluice.tui.confirm_screen import ConfirmScreen
 from sluice.tui.help_screen import HelpScreen

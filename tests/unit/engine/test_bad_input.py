@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sluice.actors.scheduler.errors import AdmissionError
+from sluice.ipc.vocabulary import RejectedError
 from sluice.ipc.vocabulary import InvalidParams, SamplingParams
 from sluice.ipc.vocabulary import RejectCode
 
@@ -30,7 +30,7 @@ def assert_still_serves(engine):
 ])
 def test_bad_prompts_are_rejected_by_name(make_engine, prompt, field_name):
     engine = make_engine()
-    with pytest.raises(AdmissionError) as info:
+    with pytest.raises(RejectedError) as info:
         engine.add_request(sampling=GOOD, **prompt)
     assert info.value.code is RejectCode.INVALID
     assert field_name in str(info.value)
@@ -40,7 +40,7 @@ def test_bad_prompts_are_rejected_by_name(make_engine, prompt, field_name):
 def test_a_prompt_longer_than_the_context_is_rejected_as_too_long(make_engine):
     engine = make_engine()
     too_long = [1] * (engine.max_model_len + 10)
-    with pytest.raises(AdmissionError) as info:
+    with pytest.raises(RejectedError) as info:
         engine.add_request(prompt_token_ids=too_long, sampling=GOOD)
     assert info.value.code is RejectCode.TOO_LONG
     assert str(engine.max_model_len) in str(info.value)

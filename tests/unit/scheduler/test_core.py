@@ -5,21 +5,13 @@ from __future__ import annotations
 import pytest
 from support.scheduler import req, sample_all, step
 
-from sluice.actors.scheduler import (
-    InvalidRequest,
-    Overloaded,
-    Quota,
-    AdmissionError,
-    Request,
-    RequestState,
-    SchedulerConfig,
-    TenantConfig,
-    TooLong,
-)
+from sluice.actors.scheduler import Request, RequestState, SchedulerConfig, TenantConfig
 from sluice.actors.scheduler.config import ConfigError
 from sluice.actors.scheduler.plan import StepResult
-from sluice.ipc.vocabulary import SamplingParams
-from sluice.ipc.vocabulary import FinishReason, RejectCode
+from sluice.ipc.vocabulary import (
+    FinishReason, InvalidRequestError, OverloadedError, QuotaError, RejectCode, RejectedError,
+    SamplingParams, TooLongError,
+)
 
 
 def test_prompt_is_chunked_and_the_last_chunk_samples(make_sched):
@@ -198,11 +190,12 @@ def test_seeds_and_penalty_fields(make_sched):
 @pytest.mark.parametrize(
     "make_request,error,field",
     [
-        (lambda: Request("a", [], SamplingParams()), InvalidRequest, "prompt_token_ids"),
-        (lambda: Request("", [1], SamplingParams()), InvalidRequest, "request_id"),
-        (lambda: Request("a", list(range(64)), SamplingParams()), TooLong, "prompt_token_ids"),
-        (lambda: req("a", tenant="t", max_tokens=100), Quota, "max_tokens"),
-        (lambda: req("a", tenant="t", prompt_len=30, max_tokens=30), Quota, "prompt_token_ids"),
+        (lambda: Request("a", [], SamplingParams()), InvalidRequestError, "prompt_token_ids"),
+        (lambda: Request("", [1], SamplingParams()), InvalidRequestError, "request_id"),
+        (lambda: Request("a", list(range(64)), SamplingParams()), TooLongError, "prompt_token_ids"),
+        (lambda: req("a", tenant="t", max_tokens=100), QuotaError, "max_tokens"),
+        (lambda: req("a", tenant="t", prompt_len=30, max_tokens=30), QuotaError,
+         "prompt_token_ids"),
     ],
 )
 def test_rejections_are_typed_and_name_the_field(make_sched, make_request, error, field):
@@ -211,7 +204,7 @@ def test_rejections_are_typed_and_name_the_field(make_sched, make_request, error
     )
     with pytest.raises(error) as info:
         sched.add_request(make_request())
-    assert isinstance(info.value, AdmissionError)
+    assert isinstance(info.value, RejectedError)
     assert info.value.field == field and field in info.value.message
     assert info.value.code in (RejectCode.INVALID, RejectCode.TOO_LONG, RejectCode.QUOTA)
     sched.add_request(req("ok"))  # keeps serving
@@ -221,26 +214,26 @@ def test_rejections_are_typed_and_name_the_field(make_sched, make_request, error
 def test_duplicate_id_queue_limits(make_sched):
     sched = make_sched(max_queued=2, tenants={"t": TenantConfig(max_queued=1)})
     sched.add_request(req("a"))
-    with pytest.raises(InvalidRequest, match="request_id"):
+    with pytest.raises(InvalidRequestError, match="request_id"):
         sched.add_request(req("a"))
     sched.add_request(req("t1", tenant="t"))
-    with pytest.raises(Quota, match="max_queued"):
+    with pytest.raises(QuotaError, match="max_queued"):
         sched.add_request(req("t2", tenant="t"))
-    with pytest.raises(Overloaded):
+    with pytest.raises(OverloadedError):
         sched.add_request(req("b"))
     assert sched.stats()["rejected"] == 3
 
 
 def test_a_tenant_allowed_no_queue_is_refused_from_its_first_request(make_sched):
     sched = make_sched(tenants={"closed": TenantConfig(max_queued=0, max_running=0)})
-    with pytest.raises(Quota, match="max_queued 0"):
+    with pytest.raises(QuotaError, match="max_queued 0"):
         sched.add_request(req("c1", tenant="closed"))
     assert not sched.has_unfinished()
 
 
 def test_prompt_larger_than_the_kv_pool_is_too_long(make_sched):
     sched = make_sched(kv_blocks=2, block_size=4)
-    with pytest.raises(TooLong, match="KV pool"):
+    with pytest.raises(TooLongError, match="KV pool"):
         sched.add_request(req("a", prompt_len=8))
 
 
@@ -268,7 +261,7 @@ def test_invariant_check_catches_a_leak(make_sched):
 
 def test_request_that_cannot_finish_alone_in_the_pool_is_too_long(make_sched):
     sched = make_sched(kv_blocks=4, block_size=4)
-    with pytest.raises(TooLong, match="max_tokens"):
+    with pytest.raises(TooLongError, match="max_tokens"):
         sched.add_request(req("a", prompt_len=8, max_tokens=9))
     sched.add_request(req("b", prompt_len=8, max_tokens=8))
 

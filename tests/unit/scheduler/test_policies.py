@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from support.scheduler import req, step
 
-from sluice.actors.scheduler import Quota, RequestState, TenantConfig
+from sluice.actors.scheduler import RequestState, TenantConfig
+from sluice.ipc.vocabulary import QuotaError
 
 
 def admitted_order(sched, n):
@@ -113,7 +114,7 @@ def test_tenant_limits_can_change_at_run_time(make_sched):
     sched = make_sched(policy="fair")
     sched.add_request(req("a1", tenant="t", max_tokens=10))
     sched.configure_tenant("t", TenantConfig(weight=4.0, max_new_tokens=5))
-    with pytest.raises(Quota, match="max_tokens"):
+    with pytest.raises(QuotaError, match="max_tokens"):
         sched.add_request(req("a2", tenant="t", max_tokens=10, first=50))
     step(sched)
     assert sched.stats()["tenants"]["t"]["weight"] == 4.0

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from support.scheduler import FakeClock
 
-from sluice.actors.scheduler import AdmissionError, Request, Scheduler, SchedulerConfig
+from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
 from sluice.actors.scheduler.plan import StepResult
-from sluice.ipc.vocabulary import SamplingParams
+from sluice.ipc.vocabulary import RejectedError, SamplingParams
 
 EOS = 2
 PREFIXES = [list(range(100, 112)), list(range(200, 205))]
@@ -88,7 +88,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         try:
             self.sched.add_request(request)
-        except AdmissionError:
+        except RejectedError:
             return
         self.live.add(rid)
 

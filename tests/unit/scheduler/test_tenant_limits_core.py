@@ -7,7 +7,7 @@ import pytest
 from support.scheduler import req, step
 
 from sluice.actors.scheduler.config import ConfigError, TenantConfig
-from sluice.actors.scheduler.errors import Quota
+from sluice.ipc.vocabulary import QuotaError
 from sluice.actors.scheduler.request import RequestState
 from sluice.ipc.vocabulary import FinishReason, RejectCode
 
@@ -61,10 +61,10 @@ def test_a_token_rate_holds_within_ten_percent_under_a_flood(make_sched, clock, 
 def test_a_request_larger_than_its_bucket_is_refused_at_once(make_sched):
     sched = make_sched(tenants={"m": TenantConfig(input_tokens_per_minute=100,
                                                   output_tokens_per_minute=50)})
-    with pytest.raises(Quota) as prompt:
+    with pytest.raises(QuotaError) as prompt:
         sched.add_request(req("big-prompt", prompt_len=101, max_tokens=1, tenant="m"))
     assert prompt.value.code is RejectCode.QUOTA and prompt.value.field == "prompt"
-    with pytest.raises(Quota) as output:
+    with pytest.raises(QuotaError) as output:
         sched.add_request(req("big-output", prompt_len=4, max_tokens=51, tenant="m"))
     assert output.value.field == "max_tokens"
     sched.add_request(req("fits", prompt_len=100, max_tokens=50, tenant="m"))  # exactly fits
@@ -75,7 +75,7 @@ def test_a_wait_past_max_queue_wait_is_refused_with_a_retry_after(make_sched, cl
                                                   max_queue_wait=10.0)})
     for i in range(7):  # the burst (600) and one more that waits 10 s: all taken
         sched.add_request(req(f"r{i}", max_tokens=100, tenant="m", first=100 * i))
-    with pytest.raises(Quota) as refused:
+    with pytest.raises(QuotaError) as refused:
         sched.add_request(req("r7", max_tokens=100, tenant="m", first=700))
     assert refused.value.field == "tenant"
     assert refused.value.retry_after == pytest.approx(20.0)
@@ -121,7 +121,7 @@ def test_the_kv_cap_is_never_exceeded_and_everyone_finishes(make_sched, clock):
     cap = 12
     sched = make_sched(block_size=4, kv_blocks=256, token_budget=64, max_running=32,
                        tenants={"capped": TenantConfig(max_kv_blocks=cap)})
-    with pytest.raises(Quota):  # alone it needs more than the cap: it could never finish
+    with pytest.raises(QuotaError):  # alone it needs more than the cap: it could never finish
         sched.add_request(req("huge", prompt_len=8, max_tokens=48, tenant="capped"))
     for i in range(10):  # each needs 8 + 16 tokens = 6 blocks at its end
         sched.add_request(req(f"c{i}", prompt_len=8, max_tokens=16, tenant="capped",

@@ -9,7 +9,7 @@ from support.scheduler import req, step
 from sluice.actors.scheduler import Request
 from sluice.actors.scheduler.commands import console_detail
 from sluice.actors.scheduler.config import TenantConfig
-from sluice.actors.scheduler.errors import InvalidRequest, Quota
+from sluice.ipc.vocabulary import InvalidRequestError, QuotaError
 from sluice.ipc.vocabulary import SamplingParams
 from sluice.daemon.metrics import OTHER_TENANTS, bounded_tenants
 from sluice.ipc.messages import LatencySummary
@@ -43,7 +43,7 @@ def cached_tokens_of(sched, rid: str, tenant: str) -> int:
 def test_closed_tenants_reject_a_name_nobody_created(make_sched):
     sched = make_sched(open_tenants=False, tenants={"batch": TenantConfig(weight=2.0)})
     unknown = "^invalid: tenant: 'heavy' is not a tenant"
-    with pytest.raises(InvalidRequest, match=unknown) as caught:
+    with pytest.raises(InvalidRequestError, match=unknown) as caught:
         sched.add_request(req("a", tenant="heavy"))
     assert caught.value.code is RejectCode.INVALID and caught.value.field == "tenant"
     # an invented name leaves nothing behind in the tenant tables
@@ -58,14 +58,14 @@ def test_a_tenant_that_is_not_a_name_is_invalid(make_sched):
     sched = make_sched()
     bad = req("a")
     bad.tenant = ["not", "a", "name"]
-    with pytest.raises(InvalidRequest, match="^invalid: tenant:"):
+    with pytest.raises(InvalidRequestError, match="^invalid: tenant:"):
         sched.add_request(bad)
     sched.check_invariants()
 
 
 def test_an_operator_created_tenant_is_accepted(make_sched):
     sched = make_sched(open_tenants=False)
-    with pytest.raises(InvalidRequest, match="^invalid: tenant:"):
+    with pytest.raises(InvalidRequestError, match="^invalid: tenant:"):
         sched.add_request(req("a", tenant="night"))
     sched.configure_tenant("night", TenantConfig(weight=0.5))
     sched.add_request(req("b", tenant="night"))
@@ -144,12 +144,13 @@ def test_a_tenant_without_its_own_cap_gets_the_default_queue_cap(make_sched):
     )
     for i in range(3):
         sched.add_request(req(f"u{i}", tenant="stranger", first=100 * i))
-    with pytest.raises(Quota, match=r"^quota: tenant: 'stranger' already has 3 requests queued"):
+    with pytest.raises(QuotaError,
+                       match=r"^quota: tenant: 'stranger' already has 3 requests queued"):
         sched.add_request(req("u3", tenant="stranger", first=900))
     assert sched.ledger.tenant_usage("stranger").rejected == 1
     for i in range(5):  # its own max_queued wins over the default
         sched.add_request(req(f"b{i}", tenant="big", first=2000 + 100 * i))
-    with pytest.raises(Quota):
+    with pytest.raises(QuotaError):
         sched.add_request(req("b5", tenant="big", first=9000))
     run_to_end(sched)
     sched.check_invariants()
