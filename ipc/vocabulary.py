@@ -62,30 +62,44 @@ class RejectedError(SluiceError):
 
 
 class InvalidRequestError(RejectedError):
+    """A malformed request or an out-of-range parameter (`field` names it)."""
+
     code = RejectCode.INVALID
 
 
 class TooLongError(RejectedError):
+    """The prompt, or prompt plus max_tokens, exceeds the model's context or the KV pool."""
+
     code = RejectCode.TOO_LONG
 
 
 class OverloadedError(RejectedError):
+    """The daemon's queue or a connection's limit is full: back off and retry."""
+
     code = RejectCode.OVERLOADED
 
 
 class DrainingError(RejectedError):
+    """The daemon is shutting down, or an operator drained it."""
+
     code = RejectCode.DRAINING
 
 
 class QuotaError(RejectedError):
+    """The tenant is over one of its limits (`retry_after` when its token rate frees up)."""
+
     code = RejectCode.QUOTA
 
 
 class UnauthorizedError(RejectedError):
+    """The client may not act as the tenant it names, or on the connection it uses."""
+
     code = RejectCode.UNAUTHORIZED
 
 
 class ProtocolVersionError(RejectedError):
+    """The frame's major protocol version is not the daemon's."""
+
     code = RejectCode.PROTOCOL_VERSION
 
 

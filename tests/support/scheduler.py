@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sluice.actors.scheduler import Request, Scheduler, SchedulerConfig
-from sluice.actors.scheduler.plan import StepPlan, StepResult
+from sluice.actors.scheduler.plan import ScheduledSeq, StepPlan, StepResult
 from sluice.ipc.vocabulary import SamplingParams
 
 
@@ -13,6 +13,20 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def prefill_plan(lengths: list[int], vocab: int, *, seed: int = 5,
+                 block_size: int = 16) -> StepPlan:
+    """One step prefilling a greedy sequence of each length whole (made-up token ids below
+    `vocab`), each in its own run of pool blocks from block 0 on."""
+    greedy = SamplingParams(temperature=0.0)
+    seqs, block = [], 0
+    for i, n in enumerate(lengths):
+        blocks = -(-n // block_size)
+        seqs.append(ScheduledSeq(f"r{i}", [(seed * (i + 1) + 3 * t) % vocab for t in range(n)],
+                                 0, list(range(block, block + blocks)), True, greedy))
+        block += blocks
+    return StepPlan(1, seqs)
 
 
 def sample_all(plan: StepPlan, token: int = 7) -> StepResult:

@@ -9,11 +9,10 @@ import dataclasses
 
 import pytest
 import torch
+from support.scheduler import prefill_plan
 
 from sluice.actors.executor.model import ModelConfig, packs_weights
 from sluice.actors.executor.runner import ModelRunner
-from sluice.actors.scheduler.plan import ScheduledSeq, StepPlan
-from sluice.ipc.vocabulary import SamplingParams
 
 TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
@@ -24,17 +23,6 @@ def runner(dtype: str = "bfloat16", **changes) -> ModelRunner:
     config = dataclasses.replace(TINY, **changes)
     return ModelRunner.from_config(config, dtype=dtype, device="cpu", num_blocks=48,
                                    block_size=16, seed=5)
-
-
-def plan(lengths: list[int]) -> StepPlan:
-    greedy = SamplingParams(temperature=0.0)
-    seqs, block = [], 0
-    for i, n in enumerate(lengths):
-        blocks = -(-n // 16)
-        seqs.append(ScheduledSeq(f"r{i}", [(11 * i + 3 * t) % 512 for t in range(n)], 0,
-                                 list(range(block, block + blocks)), True, greedy))
-        block += blocks
-    return StepPlan(1, seqs)
 
 
 def test_only_bfloat16_on_a_native_bf16_cpu_is_packed():
@@ -50,7 +38,7 @@ def test_packed_weights_give_the_plain_matmuls_logits_and_kv(tied, lengths):
     packed, plain = runner(tie_word_embeddings=tied), runner(tie_word_embeddings=tied)
     plain.model.pack_weights(False)
     assert packed.model.packed and not plain.model.packed
-    step = plan(lengths)
+    step = prefill_plan(lengths, 512)
     assert torch.equal(packed.forward_logits(step), plain.forward_logits(step))
     for (k1, v1), (k2, v2) in zip(packed.kv_pool, plain.kv_pool):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
@@ -64,7 +52,7 @@ def test_the_deterministic_mode_unpacks_and_packs_again_when_left():
     model.use_deterministic(False)
     assert model.packed
     again = runner()
-    step = plan([9, 1])
+    step = prefill_plan([9, 1], 512)
     assert torch.equal(
         ModelRunner(model=model, num_blocks=48, block_size=16).forward_logits(step),
         again.forward_logits(step))

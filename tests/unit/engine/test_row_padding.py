@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.scheduler import prefill_plan
 
 from sluice.actors.executor.model import ModelConfig
 from sluice.actors.executor.runner import ModelRunner
-from sluice.actors.scheduler.plan import ScheduledSeq, StepPlan
-from sluice.ipc.vocabulary import SamplingParams
 
 TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
@@ -44,14 +43,7 @@ def test_padding_changes_neither_logits_nor_the_kv_written(lengths):
     exact.model.pads_rows = False
     total = sum(lengths)
     assert padded.model.padded_rows(total) > total  # these steps are padded
-    greedy = SamplingParams(temperature=0.0)
-    seqs, block = [], 0
-    for i, n in enumerate(lengths):
-        blocks = -(-n // 16)
-        seqs.append(ScheduledSeq(f"r{i}", [(7 * i + 5 * t) % 512 for t in range(n)], 0,
-                                 list(range(block, block + blocks)), True, greedy))
-        block += blocks
-    plan = StepPlan(1, seqs)
+    plan = prefill_plan(lengths, 512)
     assert torch.equal(padded.forward_logits(plan), exact.forward_logits(plan))
     for (k1, v1), (k2, v2) in zip(padded.kv_pool, exact.kv_pool):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
