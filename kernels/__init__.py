@@ -35,10 +35,13 @@ def backend_for(tensor: torch.Tensor) -> str:
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    if backend_for(key) == "triton":
+    backend = backend_for(key)
+    if backend == "triton":
         from sluice.kernels.cache import reshape_and_cache as launch
 
         return launch(key, value, key_cache, value_cache, slot_mapping)
+    if backend == "cpu" and key.dtype == value.dtype == key_cache.dtype:
+        return cpu_paged.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 

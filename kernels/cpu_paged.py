@@ -35,8 +35,8 @@ import torch
 
 from sluice.kernels import checks, reference
 
-__all__ = ["available", "unavailable_reason", "paged_attention", "DISABLE_ENV",
-           "MAX_IN_PLACE_QUERY"]
+__all__ = ["available", "unavailable_reason", "paged_attention", "reshape_and_cache",
+           "threads_used", "DISABLE_ENV", "MAX_IN_PLACE_QUERY"]
 
 log = structlog.get_logger("sluice.kernels")
 
@@ -168,6 +168,26 @@ def _forget() -> None:
     global _op, _reason
     with _lock:
         _op, _reason = None, None
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`reference.reshape_and_cache` as one copy per token, for key, value and caches of one
+    dtype (rows of key and value may lie apart, as views into the qkv projection do); a slot
+    outside the pool is an error before anything is written. Needs `available()`."""
+    if key.stride(-1) != 1 or key.stride(-2) != key.shape[-1]:
+        key = key.contiguous()
+    if value.stride(-1) != 1 or value.stride(-2) != value.shape[-1]:
+        value = value.contiguous()
+    torch.ops.sluice_cpu.reshape_and_cache_into(key_cache, value_cache, key, value,
+                                                slot_mapping.to(torch.int64))
+
+
+def threads_used(items: int = 64) -> int:
+    """How many threads the ops' `at::parallel_for` runs `items` work items on at torch's
+    current thread count (1 would mean a build without OpenMP: every op on one thread).
+    Needs `available()`."""
+    return int(torch.ops.sluice_cpu.threads_used(items))
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -493,14 +493,75 @@ void paged_attention_into(at::Tensor out, const at::Tensor& query, const at::Ten
   });
 }
 
+// Writes key and value [tokens, kv_heads, head_dim] (rows may lie apart, as views into the
+// fused qkv projection) into the pools' slots `slot_mapping` (block * block_size + offset):
+// one copy per token, every slot checked against the pool before anything is written.
+void reshape_and_cache_into(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& key,
+                            const at::Tensor& value, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes(),
+              "reshape_and_cache: contiguous caches [blocks, block_size, kv_heads, head_dim]");
+  const int64_t slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t row = key_cache.size(2) * key_cache.size(3);
+  const int64_t tokens = key.size(0);
+  for (const at::Tensor* t : {&key, &value}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == tokens && t->size(1) == key_cache.size(2) &&
+                    t->size(2) == key_cache.size(3) && t->stride(2) == 1 &&
+                    t->stride(1) == t->size(2),
+                "reshape_and_cache: key and value [tokens, kv_heads, head_dim], whole rows");
+    TORCH_CHECK(t->scalar_type() == key_cache.scalar_type() &&
+                    value_cache.scalar_type() == key_cache.scalar_type(),
+                "reshape_and_cache: key, value and caches of one dtype");
+  }
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens &&
+                  slot_mapping.scalar_type() == at::kLong,
+              "reshape_and_cache: one int64 slot per token");
+  const at::Tensor mapping = slot_mapping.contiguous();
+  const int64_t* slot = mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "reshape_and_cache: slot ", slot[t],
+                " of token ", t, " outside the pool of ", slots, " slots");
+  }
+  const size_t bytes = row * key_cache.element_size();
+  auto* keys = static_cast<char*>(key_cache.data_ptr());
+  auto* values = static_cast<char*>(value_cache.data_ptr());
+  const auto* k = static_cast<const char*>(key.data_ptr());
+  const auto* v = static_cast<const char*>(value.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size();
+  const int64_t v_stride = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(keys + slot[t] * bytes, k + t * k_stride, bytes);
+    std::memcpy(values + slot[t] * bytes, v + t * v_stride, bytes);
+  }
+}
+
+// How many threads an at::parallel_for over `items` work items ran on, as the ops here run
+// theirs: a check that the library was built with the threading torch was asked for.
+int64_t threads_used(int64_t items) {
+  std::vector<char> seen(std::max(1, at::get_num_threads()), 0);  // each thread its own
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    const int thread = at::get_thread_num();
+    if (begin < end && thread >= 0 && thread < static_cast<int>(seen.size())) seen[thread] = 1;
+  });
+  return std::count(seen.begin(), seen.end(), 1);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sluice_cpu, m) {
   m.def("paged_attention_into(Tensor(a!) out, Tensor query, Tensor key_cache, "
         "Tensor value_cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
         "float scale, int window, float softcap, int max_query_len, bool fixed_order=False) -> ()");
+  m.def("reshape_and_cache_into(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, "
+        "Tensor value, Tensor slot_mapping) -> ()");
+  m.def("threads_used(int items) -> int");
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
   m.impl("paged_attention_into", &paged_attention_into);
+  m.impl("reshape_and_cache_into", &reshape_and_cache_into);
+}
+
+TORCH_LIBRARY_IMPL(sluice_cpu, CompositeExplicitAutograd, m) {
+  m.impl("threads_used", &threads_used);
 }
