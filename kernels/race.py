@@ -26,7 +26,7 @@ import torch
 
 from sluice.kernels import cpu_paged
 
-__all__ = ["DISABLE_ENV", "available", "race_full", "race_masked"]
+__all__ = ["DISABLE_ENV", "argmax", "available", "race_full", "race_masked"]
 
 # "off" (or 0/false/no): the sampler races in torch; "on" (or 1/true/yes): on CUDA too
 DISABLE_ENV = "SLUICE_FUSED_RACE"
@@ -44,6 +44,16 @@ def available(device: torch.device) -> bool:
     if device.type == "cuda":  # not yet run on a GPU: asked for by name only
         return setting in ("on", "1", "true", "yes")
     return device.type == "cpu" and cpu_paged.available()
+
+
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: `scores.argmax(-1)` (the first largest; a NaN counts as largest), in one
+    vectorised pass per row where the CPU op runs (float32 rows with unit stride along the
+    vocabulary), else torch's."""
+    if (scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2
+            and scores.shape[1] > 0 and scores.stride(1) == 1 and available(scores.device)):
+        return torch.ops.sluice_cpu.argmax_rows(scores)
+    return scores.argmax(dim=-1)
 
 
 def race_full(scores: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,

@@ -54,7 +54,7 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq],
         scores = apply_bias_and_masks(logits, seqs, masks)
     if any(s.sampling.has_penalties for s in seqs):
         scores = apply_penalties(scores, seqs)
-    chosen = scores.argmax(dim=-1)  # greedy rows keep this; sampled rows are overwritten
+    chosen = fused_race.argmax(scores)  # greedy rows keep this; sampled rows are overwritten
     sampled = [row for row, s in enumerate(seqs) if not s.sampling.greedy]
     if sampled:
         rows = torch.tensor(sampled, device=device)

@@ -290,14 +290,76 @@ at::Tensor race_masked(const at::Tensor& values, const at::Tensor& ids, const at
   return race(values, ones, keys, no_min_p, &ids, &keep);
 }
 
+// int64 [rows]: each row's greedy token, the index of its first largest score, as
+// torch.argmax picks it (a NaN counts as largest). One vectorised max over the row, then a
+// scan for its first index: torch's CPU argmax tracks an index beside every lane and ran
+// about 9x slower than its max here.
+at::Tensor argmax_rows(const at::Tensor& scores) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat && scores.stride(1) == 1,
+              "argmax_rows: float32 scores [rows, vocab] with unit stride along vocab");
+  const int64_t rows = scores.size(0), vocab = scores.size(1);
+  TORCH_CHECK(vocab > 0, "argmax_rows: an empty row has no argmax");
+  at::Tensor chosen = at::empty({rows}, scores.options().dtype(at::kLong));
+  const float* base = scores.data_ptr<float>();
+  const int64_t stride = scores.stride(0);
+  int64_t* out = chosen.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = base + r * stride;
+      Vec best(-std::numeric_limits<float>::infinity());
+      bool nan = false;
+      int64_t i = 0;
+      for (; i + Vec::size() <= vocab; i += Vec::size()) {
+        const Vec v = Vec::loadu(row + i);
+        best = at::vec::maximum(best, v);  // NaN propagates
+      }
+      float top = -std::numeric_limits<float>::infinity();
+      alignas(64) float lanes[Vec::size()];
+      best.store(lanes);
+      for (int64_t k = 0; k < Vec::size(); ++k) {
+        nan = nan || std::isnan(lanes[k]);
+        top = std::max(top, lanes[k]);
+      }
+      for (; i < vocab; ++i) {
+        nan = nan || std::isnan(row[i]);
+        top = std::max(top, row[i]);
+      }
+      int64_t pick = 0, j = 0;
+      if (!nan) {  // whole vectors first: a lane equal to the max stops the scan
+        const Vec wanted(top);
+        for (; j + Vec::size() <= vocab; j += Vec::size()) {
+          const int differ = (Vec::loadu(row + j) != wanted).zero_mask();  // bit: lane equal
+          if (differ != 0) {
+            pick = j + __builtin_ctz(static_cast<unsigned>(differ));
+            break;
+          }
+        }
+        if (j + Vec::size() > vocab) {
+          for (; j < vocab && row[j] != top; ++j) {
+          }
+          pick = j;
+        }
+      } else {
+        for (; j < vocab && !std::isnan(row[j]); ++j) {
+        }
+        pick = j;
+      }
+      out[r] = pick;
+    }
+  });
+  return chosen;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
   m.def("race_full(Tensor scores, Tensor temperature, Tensor keys, Tensor log_min_p) -> Tensor");
   m.def("race_masked(Tensor values, Tensor ids, Tensor keys, Tensor keep) -> Tensor");
+  m.def("argmax_rows(Tensor scores) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
   m.impl("race_full", &race_full);
   m.impl("race_masked", &race_masked);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -255,3 +255,19 @@ def test_the_gpu_race_runs_only_when_asked_for_until_it_has_run_on_a_gpu(monkeyp
     assert race.available(cuda)
     monkeypatch.setenv(race.DISABLE_ENV, "off")
     assert not race.available(cuda) and not race.available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (7, 1000), (64, 49152), (3, 5)])
+def test_greedy_argmax_picks_torchs_token_ties_and_nans_included(rows, vocab):
+    assert race.available(torch.device("cpu")), cpu_paged.unavailable_reason()  # the op runs
+    g = torch.Generator().manual_seed(rows * vocab)
+    scores = torch.randn(rows, vocab, generator=g)
+    scores[:, vocab // 2] = 9.0  # a tie with a later token: the first is picked
+    scores[:, -1] = 9.0
+    if rows > 1:
+        scores[1, 3] = float("nan")  # a NaN counts as largest, as in torch
+        scores[1, 4] = float("nan")
+        scores[-1] = float("-inf")  # a row with nothing left picks its first token
+    assert torch.equal(race.argmax(scores), scores.argmax(dim=-1))
+    view = scores[:, 1:]  # rows apart, unit stride along the vocabulary
+    assert torch.equal(race.argmax(view), view.argmax(dim=-1))
