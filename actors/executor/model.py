@@ -161,9 +161,11 @@ class LlamaModel:
             raise ValueError(f"the deterministic mode runs on the CPU only, not on "
                              f"{self.device.type}")
         self.deterministic = bool(on)
-        # the fixed tiles are batched matmuls over the weights as they lie
-        self.pack_weights(not on and packs_weights(self.device, self.dtype))
-        self._linear = _tiled_linear if on else _packed_linear if self.packed else F.linear
+        self.pack_weights(packs_weights(self.device, self.dtype))
+        if on:  # fixed tiles: of packed weights one oneDNN call each, else one batched matmul
+            self._linear = _tiled_packed_linear if self.packed else _tiled_linear
+        else:
+            self._linear = _packed_linear if self.packed else F.linear
         for layer in self.layers:
             if layer.moe is not None:
                 layer.moe.linear = _tiled_linear if on else F.linear
@@ -174,7 +176,8 @@ class LlamaModel:
         that reads it: in bfloat16 on a CPU with native bf16 (`packs_weights`) that was
         measured 1.4-2x faster per matmul at decode's row counts, with the same bits as
         `F.linear`. A tied lm_head gets a packed copy of its own (the embedding lookup reads the
-        plain one). MoE experts stay plain."""
+        plain one). MoE experts stay plain. The deterministic mode runs packed weights in its
+        fixed tiles too (`_tiled_packed_linear`)."""
         if on == self.packed:
             return
         if on:
@@ -191,7 +194,10 @@ class LlamaModel:
         self.lm_head = (self.embed if not on and self.config.tie_word_embeddings
                         else convert(self.lm_head))
         self.packed = on
-        self._linear = _packed_linear if on else F.linear
+        if self.deterministic:
+            self._linear = _tiled_packed_linear if on else _tiled_linear
+        else:
+            self._linear = _packed_linear if on else F.linear
 
     def limit_positions(self, positions: int) -> None:
         """Serve sequences of at most `positions` tokens: the rotary tables cover only those,
@@ -359,6 +365,22 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear over a weight `pack_weights` packed."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _tiled_packed_linear(x: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`_tiled_linear` over a packed weight: one oneDNN matmul per tile of exactly
+    `DETERMINISTIC_ROWS` rows (the last one zero-padded). oneDNN's kernel for that row count
+    was measured to give each row the same bits at every place in a tile (the tests check it
+    on the machine they run on); torch's batched matmul in bf16 ran 10-25x slower than this."""
+    rows, tile = x.shape[0], DETERMINISTIC_ROWS
+    tiles = -(-rows // tile)
+    if tiles * tile != rows:
+        x = F.pad(x, (0, 0, 0, tiles * tile - rows))
+    out = torch.empty(tiles * tile, weight.shape[0], dtype=x.dtype, device=x.device)
+    for start in range(0, tiles * tile, tile):
+        out[start:start + tile] = _packed_linear(x[start:start + tile], weight, bias)
+    return out[:rows]
 
 
 def _tiled_linear(x: torch.Tensor, weight: torch.Tensor,

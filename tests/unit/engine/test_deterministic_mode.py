@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from sluice.actors.engine import Engine
-from sluice.actors.executor.model import LlamaModel, ModelConfig, _tiled_linear
+from sluice.actors.executor.model import (
+    PACKING_ROWS_HINT, LlamaModel, ModelConfig, _tiled_linear, _tiled_packed_linear, packs_weights,
+)
 from sluice.actors.executor.runner import ModelRunner
 from sluice.actors.scheduler import SchedulerConfig
 from sluice.actors.scheduler.plan import ScheduledSeq, StepPlan
@@ -76,24 +78,31 @@ def _ways(runner: ModelRunner, tokenizer) -> dict[str, list[int]]:
     return ways
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype, packed", [(torch.bfloat16, False), (torch.bfloat16, True),
+                                           (torch.float32, False)], ids=["bf16", "bf16-packed",
+                                                                         "fp32"])
 @pytest.mark.parametrize("shape", [(128, 384), (576, 1536)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_a_row_of_the_tiled_matmul_depends_on_that_row_alone(dtype, shape):
+def test_a_row_of_the_tiled_matmul_depends_on_that_row_alone(dtype, packed, shape):
     # what the mode rests on, checked on the machine the suite runs on (first in this file:
     # at torch's own thread count): a row's product is the same bits at every row count and
-    # every place in the step, bias or not
+    # every place in the step, bias or not; with weights packed where a model packs them
+    if packed and not packs_weights(torch.device("cpu"), dtype):
+        pytest.skip("this CPU has no native bf16: no model packs its weights")
     generator = torch.Generator().manual_seed(1)
     inputs, outputs = shape
     weight = torch.randn(outputs, inputs, generator=generator).to(dtype) * 0.05
     bias = torch.randn(outputs, generator=generator).to(dtype)
     row = torch.randn(1, inputs, generator=generator).to(dtype)
+    tiled = _tiled_packed_linear if packed else _tiled_linear
+    if packed:
+        weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS_HINT)
     for b in (None, bias):
-        alone = _tiled_linear(row, weight, b)
+        alone = tiled(row, weight, b)
         for rows in (2, 15, 16, 17, 40, 100, 273):
             for place in {0, rows // 2, rows - 1}:
                 x = torch.randn(rows, inputs, generator=generator).to(dtype)
                 x[place] = row[0]
-                assert torch.equal(_tiled_linear(x, weight, b)[place], alone[0]), (rows, place)
+                assert torch.equal(tiled(x, weight, b)[place], alone[0]), (rows, place)
 
 
 @pytest.fixture(scope="module")

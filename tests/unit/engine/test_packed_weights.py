@@ -1,7 +1,7 @@
 """bfloat16 matmul weights are packed once into oneDNN's blocked layout on a CPU with native
 bf16, and that never shows in results: the same logits and the same KV as plain matmuls, at
 decode's row counts and at padded prefill ones, with tied and untied lm_heads; the
-deterministic mode runs its fixed tiles over plain weights and packs them again when left."""
+deterministic mode runs its fixed tiles over packed weights too."""
 
 from __future__ import annotations
 
@@ -45,10 +45,12 @@ def test_packed_weights_give_the_plain_matmuls_logits_and_kv(tied, lengths):
 
 
 @pytest.mark.skipif(not NATIVE_BF16, reason="this CPU has no native bf16: nothing is packed")
-def test_the_deterministic_mode_unpacks_and_packs_again_when_left():
+def test_unpacked_weights_are_the_plain_ones_and_the_deterministic_mode_keeps_them_packed():
     model = runner().model
-    model.use_deterministic(True)
+    model.pack_weights(False)
     assert not model.packed and model.lm_head is model.embed  # tied: one tensor again
+    model.use_deterministic(True)
+    assert model.packed  # its fixed tiles run over packed weights too
     model.use_deterministic(False)
     assert model.packed
     again = runner()
