@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    import structlog  # the model's own log lines go to stderr: stdout is the report
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
     def say(text: str) -> None:
         print(text, file=sys.stderr if args.json else sys.stdout, flush=True)

@@ -292,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown section {unknown[0]!r}; choose from {', '.join(SECTIONS)}")
 
     smoke = args.interpret_smoke
+    import structlog  # the model's own log lines go to stderr: stdout is the report
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     if not smoke and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to check")
         return 0

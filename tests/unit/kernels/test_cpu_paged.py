@@ -226,6 +226,9 @@ def test_turned_off_it_falls_back_to_the_reference_and_says_so_once(
     want = greedy(make_engine())
     monkeypatch.delenv("SLUICE_ATTENTION")
     monkeypatch.setenv(cpu_paged.DISABLE_ENV, "off")
+    # the reference engine loaded the library for its other ops (the fused elementwise steps,
+    # the greedy argmax): a fresh start with the setting is what is tested
+    cpu_paged._forget()
     with structlog.testing.capture_logs() as logs:
         assert kernels.backend_for(torch.empty(1)) == "torch"
         got = greedy(make_engine())
