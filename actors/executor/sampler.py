@@ -54,8 +54,10 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq],
         scores = apply_bias_and_masks(logits, seqs, masks)
     if any(s.sampling.has_penalties for s in seqs):
         scores = apply_penalties(scores, seqs)
-    chosen = fused_race.argmax(scores)  # greedy rows keep this; sampled rows are overwritten
     sampled = [row for row, s in enumerate(seqs) if not s.sampling.greedy]
+    if len(sampled) == len(seqs):  # every row races: no argmax, no copy of the rows
+        return _results(logits, seqs, _sample_rows(scores, seqs))
+    chosen = fused_race.argmax(scores)  # greedy rows keep this; sampled rows are overwritten
     if sampled:
         rows = torch.tensor(sampled, device=device)
         chosen[rows] = _sample_rows(scores[rows], [seqs[r] for r in sampled])
