@@ -140,8 +140,8 @@ class LlamaModel:
         self.gather_logits = _identity
         self.packed = False  # see `pack_weights`
         self.pack_weights(packs_weights(self.device, dtype))
-        # the residual add with RMSNorm, and rotary: one fused pass over each row where the CPU
-        # op runs them (bf16 and fp16, see `sluice.kernels.elementwise`), else torch's ops
+        # the residual add with RMSNorm, rotary and SwiGLU: one fused pass over each row where
+        # the CPU ops run them (bf16 and fp16, see `sluice.kernels.elementwise`), else torch's
         fused = elementwise.available_for(self.device, dtype)
         self._add_rms_norm = _fused_add_rms_norm if fused else _add_rms_norm
         self._rotate = _fused_rotate if fused else _rotate
