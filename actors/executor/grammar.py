@@ -220,10 +220,11 @@ class Constraints:
                          return_when=futures.FIRST_COMPLETED)
         for key in [key for key, future in self._futures.items() if future.done()]:
             future = self._futures.pop(key)
-            if future.exception() is None:
+            failure = future.exception()
+            if failure is None:
                 self._keep(key, future.result())
             else:  # reported built all the same: its request's own step raises it
-                self._failed[key] = future.exception()
+                self._failed[key] = failure
                 while len(self._failed) > max(1, self._cached):
                     self._failed.popitem(last=False)
         for grammar, key in list(self._building.items()):

@@ -162,10 +162,7 @@ class LlamaModel:
                              f"{self.device.type}")
         self.deterministic = bool(on)
         self.pack_weights(packs_weights(self.device, self.dtype))
-        if on:  # fixed tiles: of packed weights one oneDNN call each, else one batched matmul
-            self._linear = _tiled_packed_linear if self.packed else _tiled_linear
-        else:
-            self._linear = _packed_linear if self.packed else F.linear
+        self._linear = self._matmul()
         for layer in self.layers:
             if layer.moe is not None:
                 layer.moe.linear = _tiled_linear if on else F.linear
@@ -194,10 +191,14 @@ class LlamaModel:
         self.lm_head = (self.embed if not on and self.config.tie_word_embeddings
                         else convert(self.lm_head))
         self.packed = on
+        self._linear = self._matmul()
+
+    def _matmul(self):
+        """The layer matmul for the mode and the weights' layout: in the deterministic mode fixed
+        tiles (of packed weights one oneDNN call each, else one batched matmul), else one call."""
         if self.deterministic:
-            self._linear = _tiled_packed_linear if on else _tiled_linear
-        else:
-            self._linear = _packed_linear if on else F.linear
+            return _tiled_packed_linear if self.packed else _tiled_linear
+        return _packed_linear if self.packed else F.linear
 
     def limit_positions(self, positions: int) -> None:
         """Serve sequences of at most `positions` tokens: the rotary tables cover only those,
