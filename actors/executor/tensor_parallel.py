@@ -35,73 +35,20 @@ import queue as queue_module
 import socket
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from sluice.actors.executor.config import ModelConfig
 from sluice.actors.executor.model import AttentionInputs, LlamaModel
-
-
-class TensorParallelError(ValueError):
-    """A tensor-parallel size the model cannot be split by, or a group that failed."""
-
-
-def check_tensor_parallel(config: ModelConfig | None, tensor_parallel: int) -> None:
-    """Refuse a `tensor_parallel` the model's shapes cannot be split by, naming the reason
-    (without a config: only one that is not a size at all)."""
-    n = tensor_parallel
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise TensorParallelError(f"tensor_parallel must be a whole number ≥ 1, not {n!r}")
-    if n == 1 or config is None:
-        return
-    heads, kv = config.num_heads, config.num_kv_heads
-    if heads % n:
-        choices = [d for d in range(1, heads + 1) if heads % d == 0 and _kv_fits(kv, d)]
-        raise TensorParallelError(
-            f"tensor_parallel = {n} does not divide the model's {heads} attention heads "
-            f"(tensor_parallel must be one of {', '.join(map(str, choices))})")
-    if not _kv_fits(kv, n):
-        raise TensorParallelError(
-            f"tensor_parallel = {n} cannot share the model's {kv} KV heads: it must divide "
-            f"them or be a multiple of them")
-    dense = any(not config.is_moe_layer(i) for i in range(config.num_layers))
-    if dense and config.intermediate_size % n:
-        raise TensorParallelError(
-            f"tensor_parallel = {n} does not divide the model's intermediate size "
-            f"{config.intermediate_size}")
-    if config.num_experts and config.moe_intermediate_size % n:
-        raise TensorParallelError(
-            f"tensor_parallel = {n} does not divide the model's expert intermediate size "
-            f"{config.moe_intermediate_size}")
-
-
-def _kv_fits(kv_heads: int, n: int) -> bool:
-    return kv_heads % n == 0 or n % kv_heads == 0
-
-
-def rank_config(config: ModelConfig, rank: int, tensor_parallel: int) -> ModelConfig:
-    """The config of rank `rank`'s shard: its share of heads and intermediate sizes."""
-    check_tensor_parallel(config, tensor_parallel)
-    n = tensor_parallel
-    if n == 1:
-        return config
-    return dataclasses.replace(
-        config,
-        num_heads=config.num_heads // n,
-        num_kv_heads=max(1, config.num_kv_heads // n),
-        intermediate_size=config.intermediate_size // n,
-        moe_intermediate_size=config.moe_intermediate_size // n,
-        # lm_head is this rank's vocabulary rows, never the (whole) embedding
-        tie_word_embeddings=False,
-        # the scale stays the whole model's (it depends on head_dim only, which is unchanged)
-    )
-
-
-def vocab_shard_rows(vocab_size: int, tensor_parallel: int) -> int:
-    """Rows of lm_head each rank holds: the vocabulary padded up to a multiple of N, split."""
-    return -(-vocab_size // tensor_parallel)
+from sluice.actors.executor.shards import (
+    TensorParallelError,
+    check_tensor_parallel,
+    rank_config,
+    rank_shares,
+    vocab_shard_rows,
+)
 
 
 def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
@@ -115,20 +62,11 @@ def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor], rank: i
     if n == 1:
         return config, dict(weights)
     d = config.head_dim
-    q_heads = config.num_heads // n
-    kv_heads = shard_config.num_kv_heads
-    if config.num_kv_heads >= n:
-        kv_first = rank * kv_heads
-    else:  # fewer KV heads than ranks: this rank's query heads all read one KV head
-        kv_first = rank // (n // config.num_kv_heads)
-    q_rows = slice(rank * q_heads * d, (rank + 1) * q_heads * d)
-    kv_rows = slice(kv_first * d, (kv_first + kv_heads) * d)
-
-    def part(size: int) -> slice:
-        return slice(rank * (size // n), (rank + 1) * (size // n))
-
-    inter = part(config.intermediate_size)
-    expert_inter = part(config.moe_intermediate_size) if config.num_experts else None
+    share = rank_shares(config, n)[rank]
+    q_rows = slice(share.q_heads.start * d, share.q_heads.stop * d)
+    kv_rows = slice(share.kv_heads.start * d, share.kv_heads.stop * d)
+    inter = slice(share.intermediate.start, share.intermediate.stop)
+    expert_inter = slice(share.expert_intermediate.start, share.expert_intermediate.stop)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
         leaf = name.rsplit(".", 1)[-1]
@@ -388,38 +326,88 @@ def _rank_runner(model_path: str, rank: int, tensor_parallel: int, dtype: str,
                        block_size=block_size, max_model_len=max_model_len)
 
 
-def _follower_main(rank: int, world_size: int, port: int, runner_args: tuple, threads: int,
-                   timeout_s: float) -> None:
-    """A rank other than 0: run every plan rank 0 broadcasts, until it says stop (None)."""
+# plans reach the other ranks on a group of their own, whose broadcast waits as long as the
+# engine sits idle; a step's collectives are on the default group, with the step's deadline
+IDLE_WAIT = datetime.timedelta(days=365)
+
+
+def _place(cpus: Sequence[int] | None, threads: int | None) -> None:
+    """Pin this rank to `cpus` (when given) and run `threads` torch threads (default: one per
+    CPU it may use)."""
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
+
+
+def _follower_main(rank: int, world_size: int, port: int, runner_args: tuple,
+                   cpus: Sequence[int] | None, threads: int | None, timeout_s: float,
+                   parent: int, setup: Callable[[], None] | None) -> None:
+    """A rank other than 0: run every plan rank 0 broadcasts, until it says stop (None). It
+    exits with rank 0's process, and on any error (rank 0 then fails at once, its peer gone,
+    rather than at the collective's deadline)."""
     import torch.distributed as dist
 
-    torch.set_num_threads(threads)
-    init_group(rank, world_size, port, timeout_s=timeout_s)
-    runner = _rank_runner(runner_args[0], rank, world_size, *runner_args[1:])
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        message = box[0]
-        if message is None:
-            break
-        if message == "reset_kv":
-            runner.reset_kv()
-        else:
-            runner.execute(message)  # its samples are rank 0's too: only rank 0's are used
-    dist.destroy_process_group()
+    from sluice.actors.executor.lifeline import PARENT_CHECK_SECONDS, die_with_parent
+
+    die_with_parent(parent)
+    if setup is not None:
+        setup()
+    try:
+        _place(cpus, threads)
+        init_group(rank, world_size, port, timeout_s=timeout_s)
+        plans = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
+        runner = _rank_runner(runner_args[0], rank, world_size, *runner_args[1:])
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=plans)
+            message = box[0]
+            if message is None:
+                break
+            if message == "reset_kv":
+                runner.reset_kv()
+            else:
+                runner.execute(message)  # its samples are rank 0's too: only rank 0's count
+        dist.destroy_process_group()
+    except BaseException:
+        # rank 0's process ending closes its connections before this one is told: that is
+        # the group's end, not this rank's failure, and no traceback
+        deadline = time.monotonic() + 2 * PARENT_CHECK_SECONDS
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.getppid() != parent:
+            os._exit(0)
+        raise
+
+
+def _rank_cpus(cpus: Sequence[int] | None, rank: int, n: int) -> list[int] | None:
+    """Rank `rank`'s slice of `cpus` (contiguous, as even as it goes); all of them where
+    there are fewer CPUs than ranks."""
+    if not cpus:
+        return None
+    cpus = list(cpus)
+    return cpus[rank * len(cpus) // n:(rank + 1) * len(cpus) // n] or cpus
 
 
 class TensorParallelRunner:
     """A ModelRunner for the engine whose model is split across `tensor_parallel` ranks:
     rank 0's runner in this process, each other rank a child process that runs the same
     plans on its own shard and KV pool shard (plans reach it by broadcast on the group).
-    Rank 0's sampled tokens are the group's. Everything else is rank 0's runner's."""
+    Rank 0's sampled tokens are the group's. Everything else is rank 0's runner's.
+
+    `threads` is the group's: each rank runs its share (default: this process's torch
+    threads, shared out; this process keeps its share while the group lives). With `cpus`,
+    each rank is pinned to its slice of them. `rank_setup` (a module-level function) runs
+    first in each other rank, e.g. to send its logs where this process's go. A collective
+    that waits longer than
+    `timeout_s` fails the step; a rank that exits fails the next one. Either way the group
+    is done: close it and start another."""
 
     def __init__(self, model_path: str | Path | None, tensor_parallel: int, *,
                  dtype: str = "auto", kv_dtype: str | None = None, device: str = "cpu",
                  num_blocks: int | None = None, block_size: int = 16,
                  max_model_len: int | None = None, threads: int | None = None,
-                 timeout_s: float = 300.0):
+                 cpus: Sequence[int] | None = None, kv_max_bytes: int | None = None,
+                 timeout_s: float = 300.0, rank_setup: Callable[[], None] | None = None):
         import torch.distributed as dist
 
         from sluice.actors.executor.dtypes import resolve_dtypes
@@ -435,34 +423,42 @@ class TensorParallelRunner:
         path = resolve_model_path(model_path)
         config = read_model_config(path)
         check_tensor_parallel(config, tensor_parallel)
+        n = tensor_parallel
         if not num_blocks:  # every rank's pool alike; not profiled (a forward is collective)
             _, kv = resolve_dtypes(dtype, kv_dtype, device)
-            shard = rank_config(config, 0, tensor_parallel)
+            shard = rank_config(config, 0, n)  # the most KV heads of any rank
             per_block = (2 * shard.num_layers * block_size * shard.num_kv_heads
                          * shard.head_dim * kv.itemsize)
             from sluice.actors.executor.memory import DEFAULT_CPU_KV_MAX_BYTES
 
-            num_blocks = max(2, DEFAULT_CPU_KV_MAX_BYTES // per_block)
-        threads = threads or max(1, torch.get_num_threads() // tensor_parallel)
+            num_blocks = max(2, (kv_max_bytes or DEFAULT_CPU_KV_MAX_BYTES) // per_block)
+        if threads is None and not cpus:
+            threads = torch.get_num_threads()
+        per_rank = max(1, threads // n) if threads else None
         runner_args = (str(path), dtype, kv_dtype, device, num_blocks, block_size,
                        max_model_len)
         context = multiprocessing.get_context("spawn")
         port = free_port()
+        self._threads_before = torch.get_num_threads()
         self._followers = [
             context.Process(target=_follower_main, daemon=True, name=f"sluice-tp-rank-{r}",
-                            args=(r, tensor_parallel, port, runner_args, threads, timeout_s))
-            for r in range(1, tensor_parallel)]
+                            args=(r, n, port, runner_args, _rank_cpus(cpus, r, n), per_rank,
+                                  timeout_s, os.getpid(), rank_setup))
+            for r in range(1, n)]
         for process in self._followers:
             process.start()
         try:
-            init_group(0, tensor_parallel, port, timeout_s=timeout_s)
-            self._runner = _rank_runner(str(path), 0, tensor_parallel, *runner_args[1:])
+            _place(_rank_cpus(cpus, 0, n), per_rank)
+            init_group(0, n, port, timeout_s=timeout_s)
+            self._plans = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
+            self._runner = _rank_runner(str(path), 0, n, *runner_args[1:])
         except BaseException:
             self._kill_followers()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            torch.set_num_threads(self._threads_before)
             raise
-        self.tensor_parallel = tensor_parallel
+        self.tensor_parallel = n
         self._closed = False
 
     def __getattr__(self, name):  # model_path, num_blocks, block_size, config, ...
@@ -478,15 +474,29 @@ class TensorParallelRunner:
 
         if self._closed:
             raise TensorParallelError("this tensor_parallel group is closed")
-        dead = [(r, p.exitcode) for r, p in enumerate(self._followers, 1) if not p.is_alive()]
-        if dead:  # a broadcast to it would wait out the group's timeout
+        if dead := self._dead():  # a broadcast to it would fail anyway; this says which rank
             raise TensorParallelError(f"tensor_parallel rank {dead[0][0]} has exited "
                                       f"(code {dead[0][1]})")
-        dist.broadcast_object_list([message], src=0)
+        dist.broadcast_object_list([message], src=0, group=self._plans)
+
+    def _dead(self) -> list[tuple[int, int | None]]:
+        """(rank, exit code) of each other rank that has exited."""
+        return [(r, p.exitcode) for r, p in enumerate(self._followers, 1) if not p.is_alive()]
 
     def execute(self, plan):
         self._send(plan)
-        return self._runner.execute(plan)
+        try:
+            return self._runner.execute(plan)
+        except torch.OutOfMemoryError as exc:
+            # the other ranks ran on (or wait in a collective): the group is out of step, and
+            # only a new one serves; not the worker's "plan it smaller", which assumes one
+            raise TensorParallelError(f"tensor_parallel rank 0 ran out of memory in a step: "
+                                      f"{str(exc)[:200]}") from exc
+        except RuntimeError as exc:  # a collective failed: name the rank that went, if one did
+            if dead := self._dead():
+                raise TensorParallelError(f"tensor_parallel rank {dead[0][0]} exited (code "
+                                          f"{dead[0][1]}) during a step") from exc
+            raise
 
     def reset_kv(self) -> None:
         self._send("reset_kv")
@@ -509,6 +519,7 @@ class TensorParallelRunner:
             self._kill_followers()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            torch.set_num_threads(self._threads_before)
 
     def _kill_followers(self) -> None:
         for process in self._followers:

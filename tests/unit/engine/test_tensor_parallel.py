@@ -35,10 +35,16 @@ NEW_TOKENS = 16
 PROMPTS = [[(7 * i + 3) % VOCAB for i in range(37)], [(11 * i + 5) % VOCAB for i in range(9)],
            [(13 * i + 1) % VOCAB for i in range(20)]]
 
-# family -> (config class, model class, options): 4 heads, so 2 ranks split them
+# family -> (config class, model class, options): 2 ranks split each
 FAMILIES = {
     # 2 KV heads: one per rank
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    # 3 KV heads (6 query heads) and an odd intermediate size: rank 0 holds 2 KV heads, rank 1
+    # one, and 48 and 49 intermediate rows (the embedded model splits 2:1 the same way)
+    "llama_uneven": ("LlamaConfig", "LlamaForCausalLM",
+                     dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                          head_dim=16,
+                          intermediate_size=97)),
     # 1 KV head, replicated on both ranks; q/k/v biases split with their rows
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1)),
     # experts split by their intermediate size, one dense layer, per-head q/k norms
@@ -145,20 +151,33 @@ def test_shards_put_back_together_are_the_whole_model(folders):
         shard_weights(config, weights, 2, 2)
 
 
+def test_uneven_shares_cover_the_model_once(folders):
+    """KV heads dealt out 2:1 with their query heads, the intermediate rows 48:49; the
+    pieces put back together are the whole weights."""
+    config, weights = load_weights(folders["llama_uneven"], torch.float32)
+    shards = [shard_weights(config, weights, r, 2) for r in range(2)]
+    assert [(c.num_heads, c.num_kv_heads, c.intermediate_size) for c, _ in shards] == [
+        (4, 2, 48), (2, 1, 49)]
+    for name, dim in (("q_proj", 0), ("k_proj", 0), ("v_proj", 0), ("gate_proj", 0),
+                      ("o_proj", 1), ("down_proj", 1)):
+        whole = torch.cat([s[f"layers.1.{name}"] for _, s in shards], dim=dim)
+        assert torch.equal(whole, weights[f"layers.1.{name}"]), name
+
+
 def test_sizes_that_do_not_split_the_model_are_refused(folders, smollm_path):
     config = read_model_config(folders["llama"])
-    with pytest.raises(TensorParallelError, match=r"tensor_parallel = 3 does not divide the "
-                                                  r"model's 4 attention heads"):
+    with pytest.raises(TensorParallelError, match=r"tensor_parallel = 3 cannot split the "
+                                                  r"model's 4 attention heads \(2 KV heads\)"):
         check_tensor_parallel(config, 3)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(TensorParallelError, match="tensor_parallel must be a whole number"):
             check_tensor_parallel(config, bad)
-    # the embedded model (SmolLM2-135M) has 9 heads and 3 KV heads: 2 ranks cannot split it,
-    # refused before any rank process starts
-    with pytest.raises(TensorParallelError, match=r"tensor_parallel = 2 does not divide the "
-                                                  r"model's 9 attention heads \(tensor_parallel "
-                                                  r"must be one of 1, 3, 9\)"):
-        greedy(smollm_path, PROMPTS, NEW_TOKENS, tensor_parallel=2)
+    # the embedded model (SmolLM2-135M) has 9 heads and 3 KV heads: 2 ranks split it 2:1 by
+    # KV head, 4 cannot split it, refused before any rank process starts
+    with pytest.raises(TensorParallelError, match=r"tensor_parallel = 4 cannot split the "
+                                                  r"model's 9 attention heads \(3 KV heads\): "
+                                                  r".*must be one of 1, 2, 3, 9\)"):
+        greedy(smollm_path, PROMPTS, NEW_TOKENS, tensor_parallel=4)
     assert not multiprocessing.active_children()
     with pytest.raises(TensorParallelError, match=r"token id 300 is outside the model's "
                                                   r"vocabulary \(0..299\)"):
@@ -166,8 +185,8 @@ def test_sizes_that_do_not_split_the_model_are_refused(folders, smollm_path):
     with pytest.raises(TensorParallelError, match="a prompt is empty"):
         greedy(folders["llama"], [[]], NEW_TOKENS, tensor_parallel=2)
     assert not multiprocessing.active_children()
-    with pytest.raises(TensorParallelError, match="tensor_parallel = 2 does not divide"):
-        Engine(tensor_parallel=2)  # the embedded model
+    with pytest.raises(TensorParallelError, match="tensor_parallel = 4 cannot split"):
+        Engine(tensor_parallel=4)  # the embedded model
     with pytest.raises(TensorParallelError, match="tensor_parallel must be a whole number"):
         Engine(str(folders["llama"]), tensor_parallel=0)
     assert not multiprocessing.active_children()
