@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--deterministic", action="store_true", default=None,
                        help="greedy output independent of batch, chunking and prefix cache "
                             "(CPU; costs compute)")
+    serve.add_argument("--tensor-parallel", type=int, metavar="N",
+                       help="split the model across N worker rank processes (CPU, gloo)")
     serve.add_argument("--heartbeat-timeout", type=float, help="seconds of client silence")
     serve.add_argument("--pause-timeout", type=float, help="seconds a paused request may wait")
     serve.add_argument("--drain-deadline", type=float, help="seconds SIGTERM waits")
@@ -94,6 +96,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "worker.dtype": args.dtype,
         "worker.kv_dtype": args.kv_dtype,
         "worker.deterministic": args.deterministic,
+        "worker.tensor_parallel": args.tensor_parallel,
     }
 
 

@@ -58,9 +58,16 @@ def check_model(config: DaemonConfig) -> None:
         models["worker.model: "] = config.worker.model
     for prefix, model in models.items():
         try:
-            read_model_config(resolve_model_path(model))
+            model_config = read_model_config(resolve_model_path(model))
         except ModelLoadError as exc:
             raise StartupError(f"{prefix}{exc}") from None
+    if config.executor == "model" and config.worker.tensor_parallel > 1:
+        from sluice.actors.executor.shards import TensorParallelError, check_tensor_parallel
+
+        try:  # the worker's model: the last one read
+            check_tensor_parallel(model_config, config.worker.tensor_parallel)
+        except TensorParallelError as exc:
+            raise StartupError(f"worker.{exc}") from None
 
 
 # asked of a child Python: the daemon process never imports torch (only its worker runs a

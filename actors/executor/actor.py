@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -94,6 +95,9 @@ class WorkerSpec:
     # CPUs the worker runs on (its matmul threads included); None: wherever the daemon may.
     # Pinned, the worker's threads and the daemon's event loop stop preempting each other
     cpus: tuple[int, ...] | None = None
+    # rank processes the model is split across (torch.distributed, gloo on the CPU): the
+    # worker is rank 0 and starts the others; `threads` and `cpus` are shared out among them
+    tensor_parallel: int = 1
     runtime_dir: str | None = None  # where the worker's ipc socket lives
     startup_timeout: float = 300.0  # seconds for weights + pool + health check
     step_timeout: float = 300.0  # a step running longer means a hung worker
@@ -121,6 +125,15 @@ class WorkerSpec:
         if self.deterministic and self.device != "cpu":
             raise ValueError(f"worker.deterministic: runs on the CPU only, not on "
                              f"{self.device!r}")
+        tp = self.tensor_parallel
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"worker.tensor_parallel: must be an integer >= 1, got {tp!r}")
+        if tp > 1 and self.device != "cpu":
+            raise ValueError(f"worker.tensor_parallel: above 1 runs on the CPU (gloo) for now, "
+                             f"not on {self.device!r}")
+        if tp > 1 and self.deterministic:
+            raise ValueError("worker.tensor_parallel: the deterministic mode runs on one rank "
+                             "only (set tensor_parallel = 1 or deterministic = false)")
         for name in ("kv_max_bytes", "profile_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -151,6 +164,7 @@ class Executor(Actor):
         self.known_answer: int | None = None
         self.restarts = 0
         self.pid: int | None = None
+        self.rank_pids: tuple[int, ...] = ()  # a tensor-parallel group's, rank 0 first
         self.state = "starting"  # starting | ready | restarting | failed
         # kept across restarts of this actor, so a crash cannot reset the count
         self.failed_starts = 0
@@ -184,7 +198,7 @@ class Executor(Actor):
         if self.state == "ready":
             facts = self.facts
             self.scheduler.put(am.WorkerReady(self.restarts, self.pid or 0, facts.dtype,
-                                             facts.kv_dtype))
+                                             facts.kv_dtype, self.rank_pids))
         elif self.state == "failed":
             self.scheduler.put(am.WorkerFailed(self.failure, self.failed_starts, self.restarts))
 
@@ -217,9 +231,10 @@ class Executor(Actor):
             pass
 
     def kill_worker(self) -> None:
-        """Kill the current worker process (fault tests and hung steps use this)."""
+        """Kill the current worker process and every process it started (a tensor-parallel
+        group's other ranks, even stopped ones): fault tests and hung steps use this."""
         if self.process is not None and self.process.returncode is None:
-            self.process.kill()
+            _kill_group(self.process)
 
     async def _keep_worker(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         backoff = self.spec.backoff_initial
@@ -247,7 +262,8 @@ class Executor(Actor):
                     self.failure = ""
                     self.state = "ready"
                     self.scheduler.put(am.WorkerReady(self.restarts, self.pid or 0,
-                                                     self.facts.dtype, self.facts.kv_dtype))
+                                                     self.facts.dtype, self.facts.kv_dtype,
+                                                     self.rank_pids))
                     if first:
                         first = False
                         task_status.started()
@@ -318,6 +334,9 @@ class Executor(Actor):
             cmd += ["--deterministic"]
         if spec.cpus is not None:
             cmd += ["--cpus", ",".join(map(str, spec.cpus))]
+        if spec.tensor_parallel > 1:
+            cmd += ["--tensor-parallel", str(spec.tensor_parallel),
+                    "--collective-timeout", repr(float(spec.step_timeout))]
         if spec.debug_fail_token is not None:
             cmd += ["--debug-fail-token", str(spec.debug_fail_token)]
         if spec.debug_fail_start_if is not None:
@@ -346,6 +365,7 @@ class Executor(Actor):
         if not isinstance(hello, Hello):
             raise WorkerStartError(f"expected a Hello, got {_said(hello)}")
         facts = hello.facts
+        self.rank_pids = tuple(hello.rank_pids)
         if self.facts is not None and facts != self.facts:
             raise WorkerStartError(f"worker came back different: {facts} != {self.facts}")
         await self.sock.send(worker.encode(HealthCheck()))
@@ -360,7 +380,8 @@ class Executor(Actor):
             )
         self.facts = facts
         log.info("worker ready", pid=self.pid, dtype=facts.dtype, kv_dtype=facts.kv_dtype,
-                 kv_blocks=facts.num_blocks)
+                 kv_blocks=facts.num_blocks, **({"rank_pids": list(self.rank_pids)}
+                                                if self.rank_pids else {}))
 
     async def _receive(self) -> object:
         return worker.decode(await self.sock.recv())
@@ -404,7 +425,7 @@ class Executor(Actor):
         if process is not None:
             with trio.CancelScope(shield=True):
                 if process.returncode is None:
-                    process.kill()
+                    _kill_group(process)
                 with trio.move_on_after(10):
                     await process.wait()
 
@@ -413,6 +434,14 @@ class Executor(Actor):
 
     async def on_crash(self, exc: BaseException) -> None:
         self.scheduler.put(am.WorkerLost(f"executor crashed: {type(exc).__name__}"))
+
+
+def _kill_group(process: trio.Process) -> None:
+    """SIGKILL a worker's process group (it leads its own: see `_keep_worker`)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        process.kill()
 
 
 def _said(msg: object) -> str:

@@ -19,9 +19,9 @@ import argparse
 import os
 import signal
 import sys
-import threading
 import time
 
+from sluice.actors.executor.lifeline import die_with_parent
 from sluice.actors.executor.protocol import (
     RESULT, Hello, HealthAnswer, HealthCheck, InjectOutOfMemory, StepOutOfMemory, WorkerError,
     WorkerMessage,
@@ -97,6 +97,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="greedy output independent of batch, chunking and prefix cache")
     parser.add_argument("--cpus", default=None, metavar="N,N,...",
                         help="run on these CPUs only; --threads defaults to their number")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="rank processes to split the model across (this one is rank 0)")
+    parser.add_argument("--collective-timeout", type=float, default=300.0,
+                        help="seconds a tensor-parallel rank waits in a step's collective")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="the daemon's pid: exit at once if it is gone before this starts")
     parser.add_argument("--debug-fail-token", type=int, default=None,
@@ -131,6 +135,13 @@ def _log_to_stderr() -> None:
     )
 
 
+def _rank_setup() -> None:
+    """What another rank of this worker's tensor-parallel group does first: log as the
+    worker does, and leave SIGINT to the daemon."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _log_to_stderr()
+
+
 def model_label(spec: str | None) -> tuple[str, str]:
     """What the loading line names: the model's file or folder name, and its weights' size
     on disk ("92 MB"). A model that cannot be found is named as given (its load says why)."""
@@ -149,37 +160,15 @@ def model_label(spec: str | None) -> tuple[str, str]:
     return path.name, f"{size:.3g} {unit}"
 
 
-PARENT_CHECK_SECONDS = 0.5
-
-
-def die_with_parent(parent: int | None = None) -> None:
-    """Exit when the daemon goes away, even mid-load or inside a step that never returns: a
-    thread polls the parent pid, since a main thread stuck in native code never reaches a
-    check of its own. (Not prctl's PR_SET_PDEATHSIG: it fires when the parent *thread* that
-    spawned us exits, and trio spawns processes from its worker threads, which end when
-    idle.) `parent` is the daemon's pid as it said: one that died while this process was
-    starting left it adopted already, and the adoptive parent would be watched for good."""
-    if parent is None:
-        parent = os.getppid()
-    if os.getppid() != parent:
-        os._exit(0)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_CHECK_SECONDS)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def main(argv: list[str] | None = None) -> int:
     # the daemon stops its worker (and a worker outlives no daemon, see `die_with_parent`):
     # an interrupt meant for the daemon is not the worker's, nor a reason for a traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = _parse(sys.argv[1:] if argv is None else argv)
     threads = args.threads
+    cpus = None
     if args.cpus:
-        cpus = {int(c) for c in args.cpus.split(",")}
+        cpus = sorted({int(c) for c in args.cpus.split(",")})
         os.sched_setaffinity(0, cpus)  # before any thread starts: each inherits it
         threads = threads or len(cpus)
     die_with_parent(args.parent_pid)
@@ -196,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log = structlog.get_logger("sluice.worker")
 
-    if threads:
+    if threads and args.tensor_parallel == 1:  # a group shares them out among its ranks
         torch.set_num_threads(threads)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
@@ -208,10 +197,26 @@ def main(argv: list[str] | None = None) -> int:
     name, size = model_label(args.model)
     log.info("loading model", model=name, size=size, device=args.device)
     started = time.perf_counter()
-    runner = ModelRunner(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device,
-                         num_blocks=args.num_blocks, block_size=args.block_size,
-                         max_model_len=args.max_model_len, deterministic=args.deterministic,
-                         **sizing)
+    rank_pids: tuple[int, ...] = ()
+    if args.tensor_parallel > 1:
+        from sluice.actors.executor.tensor_parallel import TensorParallelRunner
+
+        # the other ranks are this process's children, in its process group: the executor
+        # kills the group, and each rank also exits when this process is gone
+        runner = TensorParallelRunner(
+            args.model, args.tensor_parallel, dtype=args.dtype, kv_dtype=args.kv_dtype,
+            device=args.device, num_blocks=args.num_blocks, block_size=args.block_size,
+            max_model_len=args.max_model_len, threads=threads, cpus=cpus,
+            kv_max_bytes=args.kv_max_bytes, timeout_s=args.collective_timeout,
+            rank_setup=_rank_setup)
+        rank_pids = tuple(runner.rank_pids)
+        log.info("tensor parallel group formed", ranks=args.tensor_parallel,
+                 rank_pids=list(rank_pids))
+    else:
+        runner = ModelRunner(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                             device=args.device, num_blocks=args.num_blocks,
+                             block_size=args.block_size, max_model_len=args.max_model_len,
+                             deterministic=args.deterministic, **sizing)
     log.info("model loaded", model=name, seconds=round(time.perf_counter() - started, 1))
     if (kv := runner.kv_sizing) is not None:
         log.info("kv pool sized", available_bytes=kv.available_bytes,
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     sock.send(encode(Hello(os.getpid(), WorkerFacts(
         runner.num_blocks, runner.block_size, runner.max_model_len, runner.config.vocab_size,
         dtype_name(runner.model.dtype), dtype_name(runner.model.kv_dtype),
-        runner.config.kv_window))))
+        runner.config.kv_window), rank_pids)))
     while True:
         msg = decode(sock.recv())
         try:

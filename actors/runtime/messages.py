@@ -94,6 +94,7 @@ class WorkerReady:
     pid: int = 0
     dtype: str = ""  # what the worker resolved --dtype to (and --kv-dtype below)
     kv_dtype: str = ""
+    rank_pids: tuple[int, ...] = ()  # a tensor-parallel group's, rank 0 first
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ class SchedulerActor(Actor):
         self.worker_state = "ready" if self.worker_ready else "starting"
         self.worker_restarts = 0
         self.worker_pid = 0
+        self.worker_rank_pids: tuple[int, ...] = ()
         self.worker_failure = ""
         self.worker_dtypes = ("", "")  # (weights, KV), from the worker's WorkerReady
         self.waiting_for_room = False
@@ -283,6 +284,7 @@ class SchedulerActor(Actor):
         self.worker_failure = ""
         self.worker_restarts = msg.restarts
         self.worker_pid = msg.pid
+        self.worker_rank_pids = tuple(msg.rank_pids)
         self.worker_dtypes = (msg.dtype, msg.kv_dtype)
         self.core.grammars.reset()  # a new worker (this actor may not have seen the old go)
         self._maybe_step()
@@ -296,6 +298,7 @@ class SchedulerActor(Actor):
         self.worker_failure = msg.reason
         self.worker_restarts = msg.restarts
         self.worker_pid = 0
+        self.worker_rank_pids = ()
         rids = list(self.core.requests)
         why = worker_failed_message(msg.reason)  # what their clients' `Error` says
         self._emit_ended([out for rid in rids
@@ -468,7 +471,8 @@ class SchedulerActor(Actor):
 
     def _worker_status(self) -> m.WorkerStatus:
         return m.WorkerStatus(self.worker_state, self.worker_restarts, self.worker_pid,
-                              self.worker_failure, *self.worker_dtypes, oom_steps=self.oom_steps)
+                              self.worker_failure, *self.worker_dtypes, oom_steps=self.oom_steps,
+                              rank_pids=self.worker_rank_pids)
 
     async def on_drain(self, msg: am.Drain) -> None:
         self.draining = True

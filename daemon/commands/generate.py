@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deterministic", action="store_true",
                         help="offline only; greedy output independent of batch, chunking and "
                              "prefix cache (CPU; costs compute)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="offline only; split the model across N rank processes (CPU, "
+                             "gloo)")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="raw prompt text")
     what.add_argument("--chat", help="a user message, wrapped in the model's chat template")
@@ -82,22 +85,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"loading model {name} ({size}) ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         engine = Engine(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                        deterministic=args.deterministic)
+                        deterministic=args.deterministic, tensor_parallel=args.tensor_parallel)
         print(f"model loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr,
               flush=True)
-        request_id = engine.add_request(sampling=sampling, **prompt)
-        text, token_ids, finished = [], [], None
-        while finished is None:
-            for out in engine.step():
-                if out.request_id != request_id:
-                    continue
-                text.append(out.text)
-                token_ids.extend(out.new_token_ids)
-                if not args.json and out.text:
-                    sys.stdout.write(out.text)
-                    sys.stdout.flush()
-                if out.finished:
-                    finished = out
+        try:
+            request_id = engine.add_request(sampling=sampling, **prompt)
+            text, token_ids, finished = [], [], None
+            while finished is None:
+                for out in engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    text.append(out.text)
+                    token_ids.extend(out.new_token_ids)
+                    if not args.json and out.text:
+                        sys.stdout.write(out.text)
+                        sys.stdout.flush()
+                    if out.finished:
+                        finished = out
+        finally:
+            engine.close()  # a tensor-parallel engine's other ranks
     except (ModelLoadError, RejectedError, InvalidParams, ValueError) as exc:
         print(f"sluice generate: {exc}", file=sys.stderr)
         return 2

@@ -36,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"state      {report.state}   connections {report.connections}")
     dtypes = f"   dtype {report.worker.dtype}  kv {report.worker.kv_dtype}" if report.worker.dtype else ""
     print(f"worker     {report.worker.state}   restarts {report.worker.restarts}{dtypes}")
+    if report.worker.rank_pids:
+        print(f"           tensor parallel {len(report.worker.rank_pids)} ranks   pids "
+              + " ".join(map(str, report.worker.rank_pids)))
     if report.worker.failure:
         print(f"           {report.worker.failure}  (`sluice recover` retries now)")
     print(f"kv blocks  total {kv.total_blocks}  free {kv.free_blocks}  used {kv.used_blocks}  "
