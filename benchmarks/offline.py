@@ -15,6 +15,7 @@ dtype a system used and reports each sluice system's share of its dtype's roofli
                                  [--systems sluice,sluice-fp32,transformers-cb,...]
                                  [--temperature T --top-p P] [--threads N]
                                  [--llama-parallel N] [--model PATH] [--json] [--profile]
+                                 [--tensor-parallel N] [--part K/N]
 
 What the peers are, and what counts as useful output, is written next to each runner below.
 `--profile` runs sluice under the torch profiler and prints where its step time goes
@@ -371,6 +372,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         + " (default: all), or " + ", ".join(DETERMINISTIC_SYSTEMS))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads for every system (default: all cores)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="sluice systems split the model across N rank processes, "
+                             "sharing --threads among them")
+    parser.add_argument("--part", default=None, metavar="K/N",
+                        help="run only requests K, K+N, K+2N, ... of the workload (to run N "
+                             "engines side by side, as replicas would)")
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
     parser.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     parser.add_argument("--profile", action="store_true",
@@ -388,6 +395,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--requests must be >= 1")
     if args.threads < 1:
         parser.error("--threads must be >= 1")
+    if args.tensor_parallel < 1:
+        parser.error("--tensor-parallel must be >= 1")
+    if args.part is not None:
+        try:
+            k, n = (int(x) for x in args.part.split("/"))
+        except ValueError:
+            parser.error(f"--part: K/N with whole numbers, not {args.part!r}")
+        if not 0 <= k < n:
+            parser.error(f"--part: K must be in 0..N-1, got {args.part!r}")
+        args.part = (k, n)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         parser.error("--temperature must be >= 0 and --top-p in (0, 1]")
     return args
@@ -415,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(model_path)
     corpus_ids = tokenizer.encode(stdlib_corpus())
     workload = make_workload(corpus_ids, args.requests, args.seed)
+    if args.part is not None:
+        k, n = args.part
+        workload = Workload(workload.prompts[k::n], workload.output_lens[k::n])
     if args.write_workload:
         with open(args.write_workload, "w") as handle:
             for prompt, n in zip(workload.prompts, workload.output_lens):
@@ -441,15 +461,23 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from sluice.actors.engine import Engine
 
+            from sluice.actors.executor.loader import read_model_config
+
             engine = Engine(model=args.model,
                             dtype="float32" if system.startswith("sluice-fp32") else "auto",
-                            deterministic=system in DETERMINISTIC_SYSTEMS)
-            dtype_name = str(engine.runner.model.dtype).removeprefix("torch.")
-            result = run_sluice(engine, workload, sampling, system, profile=args.profile)
+                            deterministic=system in DETERMINISTIC_SYSTEMS,
+                            tensor_parallel=args.tensor_parallel)
+            try:
+                dtype_name = str(engine.runner.model.dtype).removeprefix("torch.")
+                result = run_sluice(engine, workload, sampling, system, profile=args.profile)
+            finally:
+                engine.close()
+            if args.tensor_parallel > 1:
+                result.notes = f"{args.tensor_parallel} ranks; {result.notes}".rstrip("; ")
             results.append(result)
-            if dtype_name in DTYPES:
+            if dtype_name in DTYPES:  # the whole model's FLOPs, not rank 0's shard's
                 rooflines[system] = {"dtype": dtype_name, **sluice_roofline(
-                    engine.runner.config, workload, result, peak(dtype_name))}
+                    read_model_config(model_path), workload, result, peak(dtype_name))}
             del engine
         except Exception as exc:  # one broken system must not hide the others' numbers
             results.append(Result(system, error=f"{type(exc).__name__}: {exc}"))

@@ -4,7 +4,9 @@ named ranges around the runner's phases, folded into shares of step time.
 The ranges are put in by wrapping the phase functions for the length of the profiled run
 only (`instrumented`), so nothing of this sits on the hot path of a normal run. Phases:
 input preparation (`ModelRunner._prepare`), KV write (`kernels.reshape_and_cache`),
-attention (`kernels.paged_attention`), sampling (the runner's `sample`); the rest of the
+attention (`kernels.paged_attention`), sampling (the runner's `sample`), and for a
+tensor-parallel engine the collectives (rank 0's all-reduces, the logits' gather and the
+plan's broadcast, waits included: this profiles rank 0 only); the rest of the
 model's tensor ops are split into GEMMs and elementwise (norms, rotary, activations, the
 embedding lookup); Python/other is step time none of those account for (the scheduler,
 Python between ops, profiler overhead).
@@ -25,12 +27,13 @@ PHASES = {  # range name -> row of the breakdown
     "sluice::kv_write": "KV write",
     "sluice::attention": "attention",
     "sluice::sampling": "sampling",
+    "sluice::collectives": "collectives",
 }
 GEMM_OPS = {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm",
             "aten::baddbmm", "mkldnn::_linear_pointwise"}
 _ABSENT = object()
 ROWS = ("GEMMs", "attention", "KV write", "elementwise", "sampling", "input preparation",
-        "Python/other")
+        "collectives", "Python/other")
 
 
 def _ranged(name: str, function):
@@ -53,6 +56,11 @@ def instrumented(engine):
                (runner, "sample", "sluice::sampling"),
                (runner.ModelRunner, "_prepare", "sluice::input_preparation"),
                (engine, "step", STEP)]
+    if hasattr(engine.runner, "rank_pids"):  # a tensor-parallel group: rank 0's side of it
+        model = engine.runner.model
+        targets += [(model, "all_reduce", "sluice::collectives"),
+                    (model, "gather_logits", "sluice::collectives"),
+                    (engine.runner, "_send", "sluice::collectives")]
     patched = []
     try:
         for owner, attr, name in targets:

@@ -23,6 +23,7 @@ its own code. `AskWorker` (from a restarted Scheduler) is answered with the curr
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -428,6 +429,9 @@ class Executor(Actor):
                     _kill_group(process)
                 with trio.move_on_after(10):
                     await process.wait()
+                # a worker that died on its own leaves its other ranks: not for long
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
 
     def teardown(self) -> None:
         self.kill_worker()

@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import queue as queue_module
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -352,6 +353,10 @@ def _follower_main(rank: int, world_size: int, port: int, runner_args: tuple,
     die_with_parent(parent)
     if setup is not None:
         setup()
+    else:  # stdout is rank 0's caller's (a report, a ready line): this rank's logs go aside
+        import structlog
+
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     try:
         _place(cpus, threads)
         init_group(rank, world_size, port, timeout_s=timeout_s)
