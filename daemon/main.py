@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve Prometheus /metrics and /health on this port (0: any free)")
     serve.add_argument("--usage-log", metavar="FILE",
                        help="append one JSON line per ended request here (reopened on SIGHUP)")
+    from sluice.daemon import join
+
+    join.add_parser(sub)
     return show_defaults(parser)
 
 
@@ -188,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     stops.install()  # before the slow imports: Ctrl-C while starting stops quietly
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    if args.command == "worker":
+        from sluice.daemon import join
+
+        return join.run(args)
     from sluice.actors.runtime.supervisor import Escalation
     from sluice.actors.runtime.local_socket import SocketPathError
     from sluice.daemon.config import ConfigFileError, check_runtime_paths, load_config

@@ -236,7 +236,8 @@ class WorkerStatus:
     dtype: str = ""  # the weights' dtype the worker runs ("" for the null executor)
     kv_dtype: str = ""  # the KV pool's dtype
     oom_steps: int = 0  # steps the worker ran out of memory in, each planned again smaller
-    # a tensor-parallel worker group's processes, rank 0 (`pid`) first; empty for one process
+    # a tensor-parallel worker group's processes, rank 0 (`pid`) first, 0 for a rank on
+    # another host; empty for one process
     rank_pids: tuple[int, ...] = ()
 
 

@@ -99,6 +99,14 @@ class WorkerSpec:
     # rank processes the model is split across (torch.distributed, gloo on the CPU): the
     # worker is rank 0 and starts the others; `threads` and `cpus` are shared out among them
     tensor_parallel: int = 1
+    # ranks on other hosts (`sluiced worker --join`): the IP address each of the group's last
+    # ranks joins from, one per rank; they join at `join_listen` (tcp://HOST:PORT) over CURVE,
+    # with the worker's secret key from `join_secret_key_file` and a client key listed in
+    # `join_public_keys` (Z85)
+    join_hosts: tuple[str, ...] = ()
+    join_listen: str | None = None
+    join_secret_key_file: str | None = None
+    join_public_keys: tuple[str, ...] = ()
     runtime_dir: str | None = None  # where the worker's ipc socket lives
     startup_timeout: float = 300.0  # seconds for weights + pool + health check
     step_timeout: float = 300.0  # a step running longer means a hung worker
@@ -135,6 +143,7 @@ class WorkerSpec:
         if tp > 1 and self.deterministic:
             raise ValueError("worker.tensor_parallel: the deterministic mode runs on one rank "
                              "only (set tensor_parallel = 1 or deterministic = false)")
+        self._check_join()
         for name in ("kv_max_bytes", "profile_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -152,6 +161,40 @@ class WorkerSpec:
             raise ValueError(f"worker.cpus: no CPU {', '.join(map(str, missing))} on this "
                              f"machine (it has 0 to {present - 1})")
         object.__setattr__(self, "cpus", tuple(sorted(set(cpus))))
+
+
+    def _check_join(self) -> None:
+        import ipaddress
+
+        hosts = self.join_hosts
+        if not hosts:
+            return
+        if not isinstance(hosts, (list, tuple)):
+            raise ValueError(f"worker.join_hosts: must be a list of IP addresses, got {hosts!r}")
+        for host in hosts:
+            try:
+                ipaddress.ip_address(host)
+            except (ValueError, TypeError):
+                raise ValueError(f"worker.join_hosts: {host!r} is not an IP address (a rank's "
+                                 "connection is checked against it)") from None
+        if len(hosts) >= self.tensor_parallel:
+            raise ValueError(f"worker.join_hosts: {len(hosts)} ranks on other hosts need "
+                             f"tensor_parallel > {len(hosts)} (rank 0 is the worker), got "
+                             f"{self.tensor_parallel}")
+        listen = self.join_listen
+        if not isinstance(listen, str) or not listen.startswith("tcp://") or ":" not in (
+                listen.removeprefix("tcp://")):
+            raise ValueError(f"worker.join_listen: ranks on other hosts join at a "
+                             f"tcp://HOST:PORT address, got {listen!r}")
+        if not self.join_secret_key_file:
+            raise ValueError("worker.join_secret_key_file: ranks on other hosts join over "
+                             "CURVE: name the file holding the worker's secret key")
+        keys = self.join_public_keys
+        if not keys or not all(isinstance(k, str) and len(k) == 40 for k in keys):
+            raise ValueError("worker.join_public_keys: list the Z85 public keys (40 "
+                             "characters each) of the ranks allowed to join")
+        object.__setattr__(self, "join_hosts", tuple(hosts))
+        object.__setattr__(self, "join_public_keys", tuple(keys))
 
 
 class Executor(Actor):
@@ -338,6 +381,14 @@ class Executor(Actor):
         if spec.tensor_parallel > 1:
             cmd += ["--tensor-parallel", str(spec.tensor_parallel),
                     "--collective-timeout", repr(float(spec.step_timeout))]
+        if spec.join_hosts:
+            cmd += ["--join-listen", spec.join_listen,
+                    "--join-secret-key-file", str(spec.join_secret_key_file),
+                    "--join-timeout", repr(float(spec.startup_timeout))]
+            for host in spec.join_hosts:
+                cmd += ["--join-host", host]
+            for key in spec.join_public_keys:
+                cmd += ["--join-public-key", key]
         if spec.debug_fail_token is not None:
             cmd += ["--debug-fail-token", str(spec.debug_fail_token)]
         if spec.debug_fail_start_if is not None:

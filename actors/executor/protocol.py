@@ -39,7 +39,8 @@ class Hello:
 
     pid: int
     facts: WorkerFacts
-    # a tensor-parallel group's processes, rank 0 (`pid`) first; empty for one process
+    # a tensor-parallel group's processes, rank 0 (`pid`) first, 0 for a rank on another
+    # host; empty for one process
     rank_pids: tuple[int, ...] = ()
 
 

@@ -327,11 +327,6 @@ def _rank_runner(model_path: str, rank: int, tensor_parallel: int, dtype: str,
                        block_size=block_size, max_model_len=max_model_len)
 
 
-# plans reach the other ranks on a group of their own, whose broadcast waits as long as the
-# engine sits idle; a step's collectives are on the default group, with the step's deadline
-IDLE_WAIT = datetime.timedelta(days=365)
-
-
 def _place(cpus: Sequence[int] | None, threads: int | None) -> None:
     """Pin this rank to `cpus` (when given) and run `threads` torch threads (default: one per
     CPU it may use)."""
@@ -340,13 +335,47 @@ def _place(cpus: Sequence[int] | None, threads: int | None) -> None:
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
 
 
+def serve_plans(socket, runner, monitor=None) -> None:
+    """A rank other than 0: say ready on `socket`, then run every plan rank 0 sends on it
+    until it says stop. With `monitor` (a remote rank's), rank 0's connection closing while
+    this rank waits ends the group (`GroupGone`)."""
+    import zmq
+
+    from sluice.actors.executor.rank_join import PLAN, READY, RESET, STOP, GroupGone
+    from sluice.actors.runtime.registry import CODEC
+
+    socket.send_multipart([READY])
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    if monitor is not None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        poller.register(monitor, zmq.POLLIN)
+    while True:
+        ready = dict(poller.poll())
+        if monitor is not None and monitor in ready:
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                raise GroupGone("rank 0's connection closed")
+        if socket not in ready:
+            continue
+        kind, *rest = socket.recv_multipart()
+        if kind == STOP:
+            return
+        if kind == RESET:
+            runner.reset_kv()
+        elif kind == PLAN:
+            runner.execute(CODEC.decode(rest[0]))  # its samples: only rank 0's count
+
+
 def _follower_main(rank: int, world_size: int, port: int, runner_args: tuple,
                    cpus: Sequence[int] | None, threads: int | None, timeout_s: float,
-                   parent: int, setup: Callable[[], None] | None) -> None:
-    """A rank other than 0: run every plan rank 0 broadcasts, until it says stop (None). It
-    exits with rank 0's process, and on any error (rank 0 then fails at once, its peer gone,
-    rather than at the collective's deadline)."""
+                   parent: int, setup: Callable[[], None] | None, endpoint: str) -> None:
+    """A rank other than 0 on rank 0's host: run every plan rank 0 sends, until it says
+    stop. It exits with rank 0's process, and on any error (rank 0 then fails at once, its
+    peer gone, rather than at the collective's deadline)."""
     import torch.distributed as dist
+    import zmq
 
     from sluice.actors.executor.lifeline import PARENT_CHECK_SECONDS, die_with_parent
 
@@ -359,19 +388,12 @@ def _follower_main(rank: int, world_size: int, port: int, runner_args: tuple,
         structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     try:
         _place(cpus, threads)
+        socket = zmq.Context.instance().socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(endpoint)
         init_group(rank, world_size, port, timeout_s=timeout_s)
-        plans = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
         runner = _rank_runner(runner_args[0], rank, world_size, *runner_args[1:])
-        while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0, group=plans)
-            message = box[0]
-            if message is None:
-                break
-            if message == "reset_kv":
-                runner.reset_kv()
-            else:
-                runner.execute(message)  # its samples are rank 0's too: only rank 0's count
+        serve_plans(socket, runner)
         dist.destroy_process_group()
     except BaseException:
         # rank 0's process ending closes its connections before this one is told: that is
@@ -395,28 +417,34 @@ def _rank_cpus(cpus: Sequence[int] | None, rank: int, n: int) -> list[int] | Non
 
 class TensorParallelRunner:
     """A ModelRunner for the engine whose model is split across `tensor_parallel` ranks:
-    rank 0's runner in this process, each other rank a child process that runs the same
-    plans on its own shard and KV pool shard (plans reach it by broadcast on the group).
-    Rank 0's sampled tokens are the group's. Everything else is rank 0's runner's.
+    rank 0's runner in this process, each other rank a child process, or a process on
+    another host that joined (`join`, see `rank_join.py`), running the same plans on its own
+    shard and KV pool shard. Plans reach the ranks over ZeroMQ, a socket each; tensors meet
+    in the group's collectives. Rank 0's sampled tokens are the group's. Everything else is
+    rank 0's runner's.
 
-    `threads` is the group's: each rank runs its share (default: this process's torch
-    threads, shared out; this process keeps its share while the group lives). With `cpus`,
-    each rank is pinned to its slice of them. `rank_setup` (a module-level function) runs
-    first in each other rank, e.g. to send its logs where this process's go. A collective
-    that waits longer than
-    `timeout_s` fails the step; a rank that exits fails the next one. Either way the group
-    is done: close it and start another."""
+    `threads` is the group's on this host: each local rank runs its share (default: this
+    process's torch threads, shared out; this process keeps its share while the group
+    lives). With `cpus`, each local rank is pinned to its slice of them. `rank_setup` (a
+    module-level function) runs first in each child rank, e.g. to send its logs where this
+    process's go. A collective that waits longer than `timeout_s` fails the step; a rank
+    that exits fails the next one. Either way the group is done: close it, start another."""
 
     def __init__(self, model_path: str | Path | None, tensor_parallel: int, *,
                  dtype: str = "auto", kv_dtype: str | None = None, device: str = "cpu",
                  num_blocks: int | None = None, block_size: int = 16,
                  max_model_len: int | None = None, threads: int | None = None,
                  cpus: Sequence[int] | None = None, kv_max_bytes: int | None = None,
-                 timeout_s: float = 300.0, rank_setup: Callable[[], None] | None = None):
-        import torch.distributed as dist
+                 timeout_s: float = 300.0, rank_setup: Callable[[], None] | None = None,
+                 join=None, log: Callable[..., None] | None = None):
+        import tempfile
 
-        from sluice.actors.executor.dtypes import resolve_dtypes
+        import torch.distributed as dist
+        import zmq
+
+        from sluice.actors.executor.dtypes import dtype_name, resolve_dtypes
         from sluice.actors.executor.loader import read_model_config, resolve_model_path
+        from sluice.actors.executor.rank_join import JoinDesk, model_fingerprint
 
         if torch.device(device).type != "cpu":
             raise TensorParallelError(
@@ -429,67 +457,130 @@ class TensorParallelRunner:
         config = read_model_config(path)
         check_tensor_parallel(config, tensor_parallel)
         n = tensor_parallel
+        remote = len(join.hosts) if join is not None else 0
+        if remote >= n:
+            raise TensorParallelError(f"tensor_parallel = {n} with {remote} ranks on other "
+                                      f"hosts: rank 0 is this process")
+        weights_dtype, kv = resolve_dtypes(dtype, kv_dtype, device)
         if not num_blocks:  # every rank's pool alike; not profiled (a forward is collective)
-            _, kv = resolve_dtypes(dtype, kv_dtype, device)
             shard = rank_config(config, 0, n)  # the most KV heads of any rank
             per_block = (2 * shard.num_layers * block_size * shard.num_kv_heads
                          * shard.head_dim * kv.itemsize)
             from sluice.actors.executor.memory import DEFAULT_CPU_KV_MAX_BYTES
 
             num_blocks = max(2, (kv_max_bytes or DEFAULT_CPU_KV_MAX_BYTES) // per_block)
+        local = n - remote  # rank 0 and its children
         if threads is None and not cpus:
             threads = torch.get_num_threads()
-        per_rank = max(1, threads // n) if threads else None
-        runner_args = (str(path), dtype, kv_dtype, device, num_blocks, block_size,
-                       max_model_len)
+        per_rank = max(1, threads // local) if threads else None
+        # every rank resolves the dtypes alike: rank 0's choice, by name
+        runner_args = (str(path), dtype_name(weights_dtype), dtype_name(kv), device,
+                       num_blocks, block_size, max_model_len)
+        self._context = zmq.Context()
+        self._closed = True  # until the group has formed
+        self._threads_before = torch.get_num_threads()
+        self._followers = []
+        self._desk = None
+        self._sockets: list[tuple[object, bytes]] = []  # (socket, rank's identity) per rank
+        self._dir = tempfile.mkdtemp(prefix="sluice-tp-")
+        self._local = self._context.socket(zmq.ROUTER)
+        self._local.setsockopt(zmq.LINGER, 0)
+        self._local.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        endpoint = f"ipc://{self._dir}/plans.sock"
+        self._local.bind(endpoint)
         context = multiprocessing.get_context("spawn")
         port = free_port()
-        self._threads_before = torch.get_num_threads()
-        self._followers = [
-            context.Process(target=_follower_main, daemon=True, name=f"sluice-tp-rank-{r}",
-                            args=(r, n, port, runner_args, _rank_cpus(cpus, r, n), per_rank,
-                                  timeout_s, os.getpid(), rank_setup))
-            for r in range(1, n)]
-        for process in self._followers:
-            process.start()
         try:
-            _place(_rank_cpus(cpus, 0, n), per_rank)
+            self._followers = [
+                context.Process(target=_follower_main, daemon=True, name=f"sluice-tp-rank-{r}",
+                                args=(r, n, port, runner_args, _rank_cpus(cpus, r, local),
+                                      per_rank, timeout_s, os.getpid(), rank_setup, endpoint))
+                for r in range(1, local)]
+            for process in self._followers:
+                process.start()
+            _place(_rank_cpus(cpus, 0, local), per_rank)
+            deadline = time.monotonic() + (join.timeout_s if join is not None else timeout_s)
+            if join is not None:
+                self._desk = JoinDesk(self._context, join, n)
+                welcome = {"world_size": n, "store_port": port, "dtype": runner_args[1],
+                           "kv_dtype": runner_args[2], "num_blocks": num_blocks,
+                           "block_size": block_size, "max_model_len": max_model_len,
+                           "timeout_s": timeout_s}
+                joined = self._desk.admit(welcome, model_fingerprint(config), deadline, log)
             init_group(0, n, port, timeout_s=timeout_s)
-            self._plans = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
             self._runner = _rank_runner(str(path), 0, n, *runner_args[1:])
+            self._sockets = self._await_ready(local, deadline)
+            if join is not None:
+                self._sockets += self._await_joined_ready(joined, deadline)
         except BaseException:
-            self._kill_followers()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            torch.set_num_threads(self._threads_before)
+            self._end()
             raise
         self.tensor_parallel = n
         self._closed = False
+
+    def _await_ready(self, local: int, deadline: float) -> list[tuple[object, bytes]]:
+        """Each child rank's identity on the local socket, once it has said ready."""
+        seen = []
+        while len(seen) < local - 1:
+            left = deadline - time.monotonic()
+            if dead := self._dead():
+                raise TensorParallelError(f"tensor_parallel rank {dead[0][0]} exited (code "
+                                          f"{dead[0][1]}) before it was ready")
+            if left <= 0:
+                raise TensorParallelError("tensor_parallel: the other ranks were not ready "
+                                          "in time")
+            if self._local.poll(int(min(left, 0.5) * 1000)):
+                identity, _ = self._local.recv_multipart()
+                seen.append((self._local, identity))
+        return seen
+
+    def _await_joined_ready(self, joined: dict[int, bytes],
+                            deadline: float) -> list[tuple[object, bytes]]:
+        socket, waiting = self._desk.socket, set(joined.values())
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TensorParallelError("tensor_parallel: a rank on another host was not "
+                                          "ready in time")
+            if socket.poll(int(min(left, 0.5) * 1000)):
+                identity, *_ = socket.recv_multipart()
+                waiting.discard(identity)
+        return [(socket, joined[r]) for r in sorted(joined)]
 
     def __getattr__(self, name):  # model_path, num_blocks, block_size, config, ...
         return getattr(self.__dict__["_runner"], name)
 
     @property
     def rank_pids(self) -> list[int]:
-        """The process id of each rank, rank 0 (this process) first."""
-        return [os.getpid(), *(p.pid for p in self._followers)]
+        """The process id of each rank, rank 0 (this process) first; 0 for a rank that
+        joined from another host."""
+        remote = len(self._desk.settings.hosts) if self._desk is not None else 0
+        return [os.getpid(), *(p.pid for p in self._followers), *[0] * remote]
 
-    def _send(self, message) -> None:
-        import torch.distributed as dist
+    def _dead(self) -> list[tuple[int, int | None]]:
+        """(rank, exit code) of each child rank that has exited."""
+        return [(r, p.exitcode) for r, p in enumerate(self._followers, 1) if not p.is_alive()]
+
+    def _send(self, *frames: bytes) -> None:
+        import zmq
 
         if self._closed:
             raise TensorParallelError("this tensor_parallel group is closed")
-        if dead := self._dead():  # a broadcast to it would fail anyway; this says which rank
+        if dead := self._dead():  # its collective would fail anyway; this says which rank
             raise TensorParallelError(f"tensor_parallel rank {dead[0][0]} has exited "
                                       f"(code {dead[0][1]})")
-        dist.broadcast_object_list([message], src=0, group=self._plans)
-
-    def _dead(self) -> list[tuple[int, int | None]]:
-        """(rank, exit code) of each other rank that has exited."""
-        return [(r, p.exitcode) for r, p in enumerate(self._followers, 1) if not p.is_alive()]
+        for socket, identity in self._sockets:
+            try:
+                socket.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: that rank's connection is gone
+                raise TensorParallelError(f"tensor_parallel: a rank cannot be reached "
+                                          f"({exc})") from exc
 
     def execute(self, plan):
-        self._send(plan)
+        from sluice.actors.executor.rank_join import PLAN
+        from sluice.actors.runtime.registry import CODEC
+
+        self._send(PLAN, CODEC.encode(plan))
         try:
             return self._runner.execute(plan)
         except torch.OutOfMemoryError as exc:
@@ -504,37 +595,48 @@ class TensorParallelRunner:
             raise
 
     def reset_kv(self) -> None:
-        self._send("reset_kv")
+        from sluice.actors.executor.rank_join import RESET
+
+        self._send(RESET)
         self._runner.reset_kv()
 
     def close(self) -> None:
         """Stop the other ranks and leave the group (idempotent)."""
-        import torch.distributed as dist
+        from sluice.actors.executor.rank_join import STOP
 
         if getattr(self, "_closed", True):
             return
         try:
-            self._send(None)  # refused where a rank has exited: the others are ended below
+            self._send(STOP)  # refused where a rank has exited: the others are ended below
             for process in self._followers:
                 process.join(timeout=30)
         except Exception:
             pass
         finally:
-            self._closed = True
-            self._kill_followers()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            torch.set_num_threads(self._threads_before)
+            self._end()
 
-    def _kill_followers(self) -> None:
+    def _end(self) -> None:
+        import shutil
+
+        import torch.distributed as dist
+
+        self._closed = True
         for process in self._followers:
             if process.is_alive():
                 process.kill()
                 process.join()
+        if self._desk is not None:
+            self._desk.close()
+        self._local.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(self._threads_before)
 
 
 __all__ = [
     "TensorParallelError", "TensorParallelRunner", "attach_group", "check_tensor_parallel",
     "free_port", "greedy", "greedy_many", "greedy_tokens", "init_group", "load_rank_model",
-    "rank_config", "shard_weights", "vocab_shard_rows",
+    "rank_config", "serve_plans", "shard_weights", "vocab_shard_rows",
 ]

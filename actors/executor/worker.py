@@ -101,6 +101,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="rank processes to split the model across (this one is rank 0)")
     parser.add_argument("--collective-timeout", type=float, default=300.0,
                         help="seconds a tensor-parallel rank waits in a step's collective")
+    parser.add_argument("--join-listen", default=None, metavar="tcp://HOST:PORT",
+                        help="where ranks on other hosts join the group (CURVE)")
+    parser.add_argument("--join-host", action="append", default=[],
+                        help="the IP address of each rank on another host (the last ranks)")
+    parser.add_argument("--join-secret-key-file", default=None,
+                        help="this worker's CURVE secret key, for ranks that join")
+    parser.add_argument("--join-public-key", action="append", default=[],
+                        help="a CURVE public key (Z85) allowed to join")
+    parser.add_argument("--join-timeout", type=float, default=300.0,
+                        help="seconds to wait for the ranks on other hosts")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="the daemon's pid: exit at once if it is gone before this starts")
     parser.add_argument("--debug-fail-token", type=int, default=None,
@@ -199,8 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     rank_pids: tuple[int, ...] = ()
     if args.tensor_parallel > 1:
+        from sluice.actors.executor.rank_join import JoinSettings, read_key_file
         from sluice.actors.executor.tensor_parallel import TensorParallelRunner
 
+        join = None
+        if args.join_host:
+            join = JoinSettings(args.join_listen, tuple(args.join_host),
+                                read_key_file(args.join_secret_key_file),
+                                tuple(args.join_public_key), args.join_timeout)
+            log.info("waiting for ranks on other hosts", listen=args.join_listen,
+                     hosts=list(args.join_host))
         # the other ranks are this process's children, in its process group: the executor
         # kills the group, and each rank also exits when this process is gone
         runner = TensorParallelRunner(
@@ -208,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device, num_blocks=args.num_blocks, block_size=args.block_size,
             max_model_len=args.max_model_len, threads=threads, cpus=cpus,
             kv_max_bytes=args.kv_max_bytes, timeout_s=args.collective_timeout,
-            rank_setup=_rank_setup)
+            rank_setup=_rank_setup, join=join, log=log.info)
         rank_pids = tuple(runner.rank_pids)
         log.info("tensor parallel group formed", ranks=args.tensor_parallel,
                  rank_pids=list(rank_pids))

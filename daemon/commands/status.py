@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"worker     {report.worker.state}   restarts {report.worker.restarts}{dtypes}")
     if report.worker.rank_pids:
         print(f"           tensor parallel {len(report.worker.rank_pids)} ranks   pids "
-              + " ".join(map(str, report.worker.rank_pids)))
+              + " ".join(str(p) if p else "(another host)" for p in report.worker.rank_pids))
     if report.worker.failure:
         print(f"           {report.worker.failure}  (`sluice recover` retries now)")
     print(f"kv blocks  total {kv.total_blocks}  free {kv.free_blocks}  used {kv.used_blocks}  "

@@ -2,15 +2,20 @@
 gloo) serves the embedded model's float32 greedy tokens as one process does, and fails as
 one worker: a rank killed, or stopped inside a collective past the step deadline, brings the
 whole group down and back, every in-flight request finishes once with the same tokens, no KV
-is left held and no rank of the old group survives."""
+is left held and no rank of the old group survives. A rank may also run as its own process
+and join over TCP with CURVE; a key the daemon does not list is refused."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 
 import pytest
 import trio
+import zmq
 
 from sluice.actors.engine import Engine
 from sluice.ipc.client import AsyncClient
@@ -24,13 +29,13 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 NEW_TOKENS = 24
 
 
-def config_text(step_timeout: float = 300.0) -> str:
+def config_text(step_timeout: float = 300.0, threads: int = 2) -> str:
     return f"""
 [worker]
 tensor_parallel = 2
 dtype = "float32"
 num_blocks = 128
-threads = 2
+threads = {threads}
 backoff_initial = 0.05
 step_timeout = {step_timeout}
 """
@@ -119,3 +124,83 @@ async def test_a_rank_stopped_inside_a_step_brings_the_group_down_at_the_step_de
     assert after.worker.restarts >= first.worker.restarts + 1
     await wait_gone(ranks)  # the stopped rank was killed with its group, not left behind
     await drained_and_consistent(control)
+
+
+# -- a rank on another host: its own process, joining over TCP with CURVE -------------------
+
+def key_file(folder, name: str, secret: str):
+    path = folder / name
+    path.write_text(secret)
+    path.chmod(0o600)
+    return path
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_rank(address: str, server_public: str, secret_file, log, *extra: str):
+    return subprocess.Popen(
+        [sys.executable, "-m", "sluice.daemon.main", "worker", "--join", address, "--rank", "1",
+         "--server-key", server_public, "--secret-key-file", str(secret_file), "--threads", "1",
+         *extra], stdout=log, stderr=subprocess.STDOUT)
+
+
+async def test_a_rank_joining_over_tcp_serves_with_the_group_and_a_stranger_is_refused(
+    daemon_process, drained_and_consistent, expected, tmp_path
+) -> None:
+    server_public, server_secret = (k.decode() for k in zmq.curve_keypair())
+    rank_public, rank_secret = (k.decode() for k in zmq.curve_keypair())
+    _, stranger_secret = (k.decode() for k in zmq.curve_keypair())
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    rank_log = open(tmp_path / "rank.log", "wb")
+    ranks = [start_rank(address, server_public, key_file(tmp_path, "rank.key", rank_secret),
+                        rank_log)]
+    try:
+        config = tmp_path / "sluiced.toml"
+        config.write_text(config_text(threads=1) + f"""startup_timeout = 120
+join_hosts = ["127.0.0.1"]
+join_listen = "{address}"
+join_secret_key_file = "{key_file(tmp_path, 'worker.key', server_secret)}"
+join_public_keys = ["{rank_public}"]
+""")
+        _, listen, control = daemon_process(
+            ["--config", str(config), "--listen", "tcp://127.0.0.1:0",
+             "--control", f"ipc://{tmp_path}/control.sock"], log=tmp_path / "sluiced.log")
+        first = await fetch_status(control)
+        assert first.worker.rank_pids == (first.worker.pid, 0)  # rank 1: another host's
+        with trio.fail_after(300):
+            async with AsyncClient(listen, daemon_timeout=240) as client:
+                calm = [await (await client.generate(p, max_tokens=NEW_TOKENS, temperature=0,
+                                                     ignore_eos=True)).collect()
+                        for p in PROMPTS]
+            assert [r.token_ids for r in calm] == expected
+            # a stranger's key is refused at the handshake; the group serves on
+            stranger = subprocess.run(
+                [sys.executable, "-m", "sluice.daemon.main", "worker", "--join", address,
+                 "--rank", "1", "--server-key", server_public, "--secret-key-file",
+                 str(key_file(tmp_path, "stranger.key", stranger_secret)), "--once"],
+                capture_output=True, text=True, timeout=120)
+            assert stranger.returncode == 77, stranger.stderr[-2000:]
+            assert "refused" in stranger.stderr
+            # the joined rank killed under load: the group goes down; a rank started again
+            # (as its service manager would) joins the next group, and every request
+            # finishes once with the same tokens
+            def kill_and_restart() -> None:
+                ranks[0].kill()
+                ranks.append(start_rank(address, server_public, tmp_path / "rank.key",
+                                        rank_log))
+
+            results = await generate_while(listen, kill_and_restart)
+        assert [r.finish_reason for r in results] == ["length"] * len(PROMPTS)
+        assert [r.token_ids for r in results] == expected
+        after = await fetch_status(control)
+        assert after.worker.restarts >= first.worker.restarts + 1
+        await drained_and_consistent(control)
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+        rank_log.close()
