@@ -7,11 +7,13 @@ and join over TCP with CURVE; a key the daemon does not list is refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import trio
@@ -204,3 +206,36 @@ join_public_keys = ["{rank_public}"]
             rank.kill()
             rank.wait()
         rank_log.close()
+
+
+def test_offline_generate_on_two_ranks_prints_one_process_tokens(expected) -> None:
+    """`sluice generate --offline --tensor-parallel 2`: the embedded model on a group of two
+    processes in float32, the same greedy tokens; no rank left when it returns."""
+    done = subprocess.Popen(
+        [sys.executable, "-m", "sluice.daemon.cli", "generate", "--offline", "--tensor-parallel",
+         "2", "--dtype", "float32", "--prompt", PROMPTS[0], "--max-tokens", str(NEW_TOKENS),
+         "--ignore-eos", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)  # its session id is its pid: every rank it started has it
+    out, err = done.communicate(timeout=300)
+    assert done.returncode == 0, err[-2000:]
+    assert json.loads(out)["token_ids"] == expected[0]  # the report alone on stdout
+    deadline = time.monotonic() + 10
+    while in_session(done.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = in_session(done.pid)
+    assert not left, [open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in left]
+
+
+def in_session(session: int) -> list[int]:
+    """Live processes of a session."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session and fields[0] not in ("Z", "X"):
+                found.append(int(entry))
+    return found
