@@ -380,11 +380,11 @@ class Executor(Actor):
             cmd += ["--cpus", ",".join(map(str, spec.cpus))]
         if spec.tensor_parallel > 1:
             cmd += ["--tensor-parallel", str(spec.tensor_parallel),
-                    "--collective-timeout", repr(float(spec.step_timeout))]
+                    "--collective-timeout", repr(float(spec.step_timeout)),
+                    "--group-timeout", repr(float(spec.startup_timeout))]
         if spec.join_hosts:
             cmd += ["--join-listen", spec.join_listen,
-                    "--join-secret-key-file", str(spec.join_secret_key_file),
-                    "--join-timeout", repr(float(spec.startup_timeout))]
+                    "--join-secret-key-file", str(spec.join_secret_key_file)]
             for host in spec.join_hosts:
                 cmd += ["--join-host", host]
             for key in spec.join_public_keys:

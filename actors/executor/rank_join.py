@@ -50,7 +50,6 @@ class JoinSettings:
     hosts: tuple[str, ...]
     secret_key: str
     public_keys: tuple[str, ...]
-    timeout_s: float = 300.0
 
 
 def model_fingerprint(config: ModelConfig) -> str:

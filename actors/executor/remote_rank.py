@@ -45,13 +45,14 @@ def serve_joined_rank(address: str, rank: int, *, model: str | None, server_key:
                     raise JoinRefused(f"the group has {welcome['world_size']} ranks, not the "
                                       f"{world_size} this rank was told (WORLD_SIZE)")
                 log("joined", rank=rank, world_size=welcome["world_size"])
-                tp.init_group(rank, welcome["world_size"], welcome["store_port"],
-                              timeout_s=welcome["timeout_s"], host=host)
+                steps = tp.init_group(rank, welcome["world_size"], welcome["store_port"],
+                                      timeout_s=welcome["startup_timeout_s"], host=host,
+                                      step_timeout_s=welcome["timeout_s"])
                 try:
                     runner = tp._rank_runner(
                         str(path), rank, welcome["world_size"], welcome["dtype"],
                         welcome["kv_dtype"], "cpu", welcome["num_blocks"],
-                        welcome["block_size"], welcome["max_model_len"])
+                        welcome["block_size"], welcome["max_model_len"], steps)
                     tp.serve_plans(socket, runner, monitor)
                     log("group ended", rank=rank)
                 except (RuntimeError, ConnectionError, GroupGone) as exc:

@@ -141,14 +141,21 @@ def free_port() -> int:
 
 
 def init_group(rank: int, world_size: int, port: int, device: str = "cpu",
-               timeout_s: float = 120.0, host: str = "127.0.0.1") -> None:
-    """Join the group's process group: gloo on CPU, NCCL on CUDA."""
+               timeout_s: float = 120.0, host: str = "127.0.0.1",
+               step_timeout_s: float | None = None):
+    """Join the group's process group: gloo on CPU, NCCL on CUDA. `timeout_s` bounds the
+    rendezvous; with `step_timeout_s`, returns a group over the same ranks whose collectives
+    wait that long at most, for the steps (None: the steps use the default group)."""
     import torch.distributed as dist
 
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    if step_timeout_s is None:
+        return None
+    return dist.new_group(backend=backend,
+                          timeout=datetime.timedelta(seconds=step_timeout_s))
 
 
 def load_rank_model(model_path: str | Path, rank: int, tensor_parallel: int,
@@ -309,7 +316,7 @@ def greedy_many(jobs: Sequence[tuple[str | Path, Sequence[Sequence[int]], int]],
 
 def _rank_runner(model_path: str, rank: int, tensor_parallel: int, dtype: str,
                  kv_dtype: str | None, device: str, num_blocks: int, block_size: int,
-                 max_model_len: int | None):
+                 max_model_len: int | None, group=None):
     """Rank `rank`'s ModelRunner over its shard, its pool `num_blocks` blocks (every rank's
     the same: the plan's block ids are the group's)."""
     from sluice.actors.executor.dtypes import resolve_dtypes
@@ -322,7 +329,7 @@ def _rank_runner(model_path: str, rank: int, tensor_parallel: int, dtype: str,
     del weights
     model = LlamaModel(shard_config, shard, device=device, dtype=weights_dtype, kv_dtype=kv)
     del shard
-    attach_group(model, config.vocab_size)
+    attach_group(model, config.vocab_size, group)
     return ModelRunner(model=model, model_path=model_path, num_blocks=num_blocks,
                        block_size=block_size, max_model_len=max_model_len)
 
@@ -370,7 +377,8 @@ def serve_plans(socket, runner, monitor=None) -> None:
 
 def _follower_main(rank: int, world_size: int, port: int, runner_args: tuple,
                    cpus: Sequence[int] | None, threads: int | None, timeout_s: float,
-                   parent: int, setup: Callable[[], None] | None, endpoint: str) -> None:
+                   startup_s: float, parent: int, setup: Callable[[], None] | None,
+                   endpoint: str) -> None:
     """A rank other than 0 on rank 0's host: run every plan rank 0 sends, until it says
     stop. It exits with rank 0's process, and on any error (rank 0 then fails at once, its
     peer gone, rather than at the collective's deadline)."""
@@ -391,8 +399,9 @@ def _follower_main(rank: int, world_size: int, port: int, runner_args: tuple,
         socket = zmq.Context.instance().socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(endpoint)
-        init_group(rank, world_size, port, timeout_s=timeout_s)
-        runner = _rank_runner(runner_args[0], rank, world_size, *runner_args[1:])
+        steps = init_group(rank, world_size, port, timeout_s=startup_s,
+                           step_timeout_s=timeout_s)
+        runner = _rank_runner(runner_args[0], rank, world_size, *runner_args[1:], steps)
         serve_plans(socket, runner)
         dist.destroy_process_group()
     except BaseException:
@@ -427,7 +436,8 @@ class TensorParallelRunner:
     process's torch threads, shared out; this process keeps its share while the group
     lives). With `cpus`, each local rank is pinned to its slice of them. `rank_setup` (a
     module-level function) runs first in each child rank, e.g. to send its logs where this
-    process's go. A collective that waits longer than `timeout_s` fails the step; a rank
+    process's go. The group forms within `startup_timeout_s` (every rank joined, loaded and
+    ready); a collective that waits longer than `timeout_s` fails the step; a rank
     that exits fails the next one. Either way the group is done: close it, start another."""
 
     def __init__(self, model_path: str | Path | None, tensor_parallel: int, *,
@@ -435,7 +445,8 @@ class TensorParallelRunner:
                  num_blocks: int | None = None, block_size: int = 16,
                  max_model_len: int | None = None, threads: int | None = None,
                  cpus: Sequence[int] | None = None, kv_max_bytes: int | None = None,
-                 timeout_s: float = 300.0, rank_setup: Callable[[], None] | None = None,
+                 timeout_s: float = 300.0, startup_timeout_s: float = 300.0,
+                 rank_setup: Callable[[], None] | None = None,
                  join=None, log: Callable[..., None] | None = None):
         import tempfile
 
@@ -494,21 +505,22 @@ class TensorParallelRunner:
             self._followers = [
                 context.Process(target=_follower_main, daemon=True, name=f"sluice-tp-rank-{r}",
                                 args=(r, n, port, runner_args, _rank_cpus(cpus, r, local),
-                                      per_rank, timeout_s, os.getpid(), rank_setup, endpoint))
+                                      per_rank, timeout_s, startup_timeout_s, os.getpid(),
+                                      rank_setup, endpoint))
                 for r in range(1, local)]
             for process in self._followers:
                 process.start()
             _place(_rank_cpus(cpus, 0, local), per_rank)
-            deadline = time.monotonic() + (join.timeout_s if join is not None else timeout_s)
+            deadline = time.monotonic() + startup_timeout_s
             if join is not None:
                 self._desk = JoinDesk(self._context, join, n)
                 welcome = {"world_size": n, "store_port": port, "dtype": runner_args[1],
                            "kv_dtype": runner_args[2], "num_blocks": num_blocks,
                            "block_size": block_size, "max_model_len": max_model_len,
-                           "timeout_s": timeout_s}
+                           "timeout_s": timeout_s, "startup_timeout_s": startup_timeout_s}
                 joined = self._desk.admit(welcome, model_fingerprint(config), deadline, log)
-            init_group(0, n, port, timeout_s=timeout_s)
-            self._runner = _rank_runner(str(path), 0, n, *runner_args[1:])
+            steps = init_group(0, n, port, timeout_s=startup_timeout_s, step_timeout_s=timeout_s)
+            self._runner = _rank_runner(str(path), 0, n, *runner_args[1:], steps)
             self._sockets = self._await_ready(local, deadline)
             if join is not None:
                 self._sockets += self._await_joined_ready(joined, deadline)

@@ -109,8 +109,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="this worker's CURVE secret key, for ranks that join")
     parser.add_argument("--join-public-key", action="append", default=[],
                         help="a CURVE public key (Z85) allowed to join")
-    parser.add_argument("--join-timeout", type=float, default=300.0,
-                        help="seconds to wait for the ranks on other hosts")
+    parser.add_argument("--group-timeout", type=float, default=300.0,
+                        help="seconds for a tensor-parallel group to form (every rank joined, "
+                             "loaded and ready)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="the daemon's pid: exit at once if it is gone before this starts")
     parser.add_argument("--debug-fail-token", type=int, default=None,
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.join_host:
             join = JoinSettings(args.join_listen, tuple(args.join_host),
                                 read_key_file(args.join_secret_key_file),
-                                tuple(args.join_public_key), args.join_timeout)
+                                tuple(args.join_public_key))
             log.info("waiting for ranks on other hosts", listen=args.join_listen,
                      hosts=list(args.join_host))
         # the other ranks are this process's children, in its process group: the executor
@@ -226,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device, num_blocks=args.num_blocks, block_size=args.block_size,
             max_model_len=args.max_model_len, threads=threads, cpus=cpus,
             kv_max_bytes=args.kv_max_bytes, timeout_s=args.collective_timeout,
+            startup_timeout_s=args.group_timeout,
             rank_setup=_rank_setup, join=join, log=log.info)
         rank_pids = tuple(runner.rank_pids)
         log.info("tensor parallel group formed", ranks=args.tensor_parallel,
