@@ -28,6 +28,7 @@ from sluice.actors.scheduler import SchedulerConfig
 from sluice.ipc.vocabulary import SamplingParams
 
 from support.families import SHAPE, VOCAB, save
+from support.near_ties import hf_teacher_forced
 
 transformers = pytest.importorskip("transformers")
 
@@ -91,6 +92,11 @@ def two_ranks(folders):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_two_ranks_give_the_one_process_greedy_tokens(folders, two_ranks, family):
     assert two_ranks[family] == one_process(folders[family])
+    # and each token is transformers' own greedy choice after the same prefix
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        folders[family], torch_dtype=torch.float32).eval()
+    for prompt, tokens in zip(PROMPTS, two_ranks[family]):
+        assert tokens == hf_teacher_forced(reference, prompt, tokens)[0]
 
 
 def test_engine_with_two_ranks_generates_what_one_process_does(folders, smollm_tokenizer):
