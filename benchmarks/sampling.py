@@ -3,6 +3,7 @@ run sampled against the same run greedy.
 
     python benchmarks/sampling.py [--rows 1,8,32,64] [--vocab 49152] [--repeats 5]
                                   [--requests 16] [--max-tokens 16] [--temperature 0.8]
+                                  [--top-p 1.0]
                                   [--rounds 2] [--dtype auto|float32|bfloat16] [--skip-engine]
 
 Race: `sampler.race_whole_vocabulary` on random logits (rows x vocab, float32, on CPU; on
@@ -12,7 +13,9 @@ Triton on CUDA), best of `--repeats` after a warm-up; the two must pick the same
 Engine: the in-process `Engine` (embedded model, `--dtype`) on `--requests` prompts of random
 token ids (flat distributions: every sampled row races over the whole vocabulary, as a
 request with OpenAI's default top_p = 1 does), all added up front and stepped to the end,
-EOS ignored: greedy, then `--temperature` with the torch race (`SLUICE_FUSED_RACE=off`),
+EOS ignored: greedy, then `--temperature` (and `--top-p`: on these flat distributions a
+nucleus of 0.9 still holds far more than the 256 candidates a narrow one is cut from, so it
+races too) with the torch race (`SLUICE_FUSED_RACE=off`),
 then with the fused op, the three in turn for `--rounds` rounds. Output tokens/s, the best
 round of each, after a warm-up request.
 """
@@ -78,8 +81,9 @@ def engine_section(args) -> None:
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.8, seed=0))
 
     def run(temperature: float) -> tuple[float, list[list[int]]]:
+        top_p = args.top_p if temperature else 1.0
         params = [SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=i,
-                                 ignore_eos=True) for i in range(len(prompts))]
+                                 top_p=top_p, ignore_eos=True) for i in range(len(prompts))]
         started = time.perf_counter()
         done = engine.generate(prompts, params)
         seconds = time.perf_counter() - started
@@ -107,7 +111,8 @@ def engine_section(args) -> None:
     greedy = best["greedy"]
     print(f"  greedy                         {greedy:8.1f} tok/s")
     for name in ("torch", "fused"):
-        print(f"  temperature {args.temperature}, {name} race   {best[name]:8.1f} tok/s "
+        print(f"  temperature {args.temperature}, top_p {args.top_p}, {name} race "
+              f"{best[name]:8.1f} tok/s "
               f"({best[name] / greedy:.0%} of greedy)")
     print(f"  the fused race drew the torch race's tokens: {tokens['fused'] == tokens['torch']}")
 
@@ -121,6 +126,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--skip-engine", action="store_true")
     args = parser.parse_args()

@@ -8,7 +8,9 @@ match token for token, is the sampler's (`sluice.actors.executor.sampler`): it b
 noise as ~15 int64 tensor passes per hash round over rows x vocab, these fuse it.
 
 `race_masked` is the same race among candidates a caller lists (ids and a keep mask): the
-sampler's top-k and top-p rows, their cuts already made in torch.
+sampler's top-k and top-p rows, their cuts already made in torch. `nucleus_floor` finds
+where a top-p nucleus wider than the sampler's candidates ends, by selection instead of the
+full sort the sampler's definition does (CPU only).
 
 On CPU the ops are C++ (`csrc/sampling_race_cpu.cpp`, built into one library with the paged
 attention op by `cpu_paged`, so they are available exactly when that is). On CUDA they are
@@ -26,7 +28,7 @@ import torch
 
 from sluice.kernels import cpu_paged
 
-__all__ = ["DISABLE_ENV", "argmax", "available", "race_full", "race_masked"]
+__all__ = ["DISABLE_ENV", "argmax", "available", "nucleus_floor", "race_full", "race_masked"]
 
 # "off" (or 0/false/no): the sampler races in torch; "on" (or 1/true/yes): on CUDA too
 DISABLE_ENV = "SLUICE_FUSED_RACE"
@@ -97,6 +99,21 @@ def race_masked(values: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor,
     if not cpu_paged.available():
         raise RuntimeError(f"the CPU race op is unavailable: {cpu_paged.unavailable_reason()}")
     return torch.ops.sluice_cpu.race_masked(values, ids, keys, keep)
+
+
+def nucleus_floor(values: torch.Tensor, normalizer: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor | None:
+    """float32 [rows]: the lowest scaled logit of each row's top-p nucleus (`values >= floor`
+    is the nucleus; -inf where the row's mass never reaches top_p), or None where the CPU op
+    does not run (the sampler then sorts). values: float32 [rows, vocab], scaled logits;
+    normalizer: float32 [rows], the log of each row's mass; top_p: float32 [rows]."""
+    if values.device.type != "cpu" or not available(values.device):
+        return None
+    _check_rows("values", values)
+    rows = values.shape[0]
+    _check_like("normalizer", normalizer, torch.float32, (rows,), "values", values)
+    _check_like("top_p", top_p, torch.float32, (rows,), "values", values)
+    return torch.ops.sluice_cpu.nucleus_floor(values, normalizer, top_p)
 
 
 def _check_rows(name: str, scores: torch.Tensor) -> None:

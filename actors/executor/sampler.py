@@ -255,12 +255,24 @@ def _sample_candidates(scaled: torch.Tensor, keys: torch.Tensor, params, k_neede
     min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
     chosen = _race(values, ids, keys, min_p, top_p, normalizer)
     if short is not None and short.numel():
-        # nuclei wider than the candidates: those rows, fully sorted, in one batch
-        rows = short
-        all_values, all_ids = scaled[rows].sort(dim=-1, descending=True)
-        chosen[rows] = _race(all_values, all_ids, keys[rows], min_p[rows], top_p[rows],
-                             normalizer[rows])
+        chosen[short] = _race_wide_nuclei(scaled[short].contiguous(), keys[short],
+                                          min_p[short], top_p[short], normalizer[short])
     return chosen
+
+
+def _race_wide_nuclei(scaled: torch.Tensor, keys: torch.Tensor, min_p: torch.Tensor,
+                      top_p: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
+    """The race of rows whose top-p nucleus is wider than the candidates. Its definition
+    sorts each whole row; where the CPU op finds each nucleus's floor by selection, the
+    tokens under it are masked instead and the row races unsorted, with the same winner (the
+    race of a token does not depend on its position)."""
+    floor = fused_race.nucleus_floor(scaled, normalizer[:, 0], top_p[:, 0].float())
+    if floor is None:
+        all_values, all_ids = scaled.sort(dim=-1, descending=True)
+        return _race(all_values, all_ids, keys, min_p, top_p, normalizer)
+    nucleus = scaled.masked_fill(scaled < floor[:, None], float("-inf"))
+    ones = torch.ones(scaled.shape[0], device=scaled.device)
+    return race_whole_vocabulary(nucleus, ones, keys, min_p[:, 0])
 
 
 def _race(values: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, min_p: torch.Tensor,
@@ -279,8 +291,13 @@ def _race(values: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, min_p: to
     if top_p is not None:
         probs = (values - normalizer).exp() * keep
         before = probs.cumsum(-1) - probs
-        # the smallest prefix whose mass reaches top_p (the first token always stays)
-        keep &= before < top_p
+        # the smallest prefix whose mass reaches top_p (the first token always stays), and
+        # every token tied with its last one: where a sort puts equal values is arbitrary (and
+        # bf16 logits tie often), and `nucleus_floor`, which selects without sorting, keeps
+        # them all
+        nucleus = before < top_p
+        last = torch.where(nucleus, values, math.inf).min(-1, keepdim=True).values
+        keep &= values >= last
     # a masked token (-inf) never races: its noise may be 0, and -inf - log(0) is NaN,
     # which argmax would pick
     keep &= values > float("-inf")
@@ -371,7 +388,9 @@ def reference_sample(logits: torch.Tensor, seq: ScheduledSeq) -> int:
     if params.top_p < 1.0:
         sorted_probs, order = (probs * keep).sort(descending=True)
         drop = (sorted_probs.cumsum(0) - sorted_probs) >= params.top_p
-        keep[order[drop]] = False
+        # every token tied with the nucleus's last one stays too (see `_race`)
+        last = scaled[order[~drop]].min()
+        keep &= scaled >= last
     ids = torch.arange(scaled.numel())
     keys = race_keys([seq], logits.device)
     noise = exponential_noise(keys, ids[None])[0]

@@ -271,3 +271,30 @@ def test_greedy_argmax_picks_torchs_token_ties_and_nans_included(rows, vocab):
     assert torch.equal(race.argmax(scores), scores.argmax(dim=-1))
     view = scores[:, 1:]  # rows apart, unit stride along the vocabulary
     assert torch.equal(race.argmax(view), view.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab, rows", [(49152, 16), (3001, 64), (300, 64)])
+def test_wide_nuclei_are_found_by_selection_as_the_full_sort_finds_them(vocab, rows):
+    """`nucleus_floor` keeps exactly the tokens the sorted definition keeps (a prefix whose
+    mass before each token is below top_p), masked tokens and repeated values included, and
+    the sampler's wide-nucleus race with it picks the sorted race's tokens."""
+    from sluice.actors.executor.sampler import _race_wide_nuclei
+
+    logits, temperature, keys, min_p = random_rows(rows, vocab, seed=vocab)
+    logits[:, : vocab // 3] = logits[:, : vocab // 3].round()  # many exact ties
+    scaled = logits / temperature[:, None]
+    normalizer = scaled.logsumexp(-1, keepdim=True)
+    g = torch.Generator().manual_seed(rows)
+    top_p = (0.05 + 0.94 * torch.rand(rows, 1, generator=g))
+    floor = race.nucleus_floor(scaled, normalizer[:, 0], top_p[:, 0])
+    values, ids = scaled.sort(dim=-1, descending=True)
+    probs = (values - normalizer).exp()
+    sorted_keep = (probs.cumsum(-1) - probs) < top_p
+    for r in range(rows):
+        kept = set(ids[r][sorted_keep[r]].tolist())
+        ours = set((scaled[r] >= floor[r]).nonzero()[:, 0].tolist())
+        # the same set, but for the other tokens tied with the last kept one
+        assert kept <= ours and all(scaled[r, t] == floor[r] for t in ours - kept), r
+    min_p = min_p[:, None]
+    expected = _race(values, ids, keys, min_p, top_p, normalizer, fused=False)
+    assert torch.equal(_race_wide_nuclei(scaled, keys, min_p, top_p, normalizer), expected)
