@@ -49,17 +49,20 @@ def systemd_analyze() -> str:
     return found
 
 
-def test_unit_passes_systemd_analyze_verify(tmp_path) -> None:
+UNITS = ("sluiced.service", "sluiced-rank.service")
+
+
+@pytest.mark.parametrize("name", UNITS)
+def test_unit_passes_systemd_analyze_verify(tmp_path, name) -> None:
     analyze = systemd_analyze()
     sluiced = Path(sys.executable).with_name("sluiced")
     assert sluiced.exists(), "the sluiced console script is not installed"
-    unit = tmp_path / "sluiced.service"
-    unit.write_text((SYSTEMD / "sluiced.service").read_text()
-                    .replace("/usr/bin/sluiced", str(sluiced)))
+    unit = tmp_path / name
+    unit.write_text((SYSTEMD / name).read_text().replace("/usr/bin/sluiced", str(sluiced)))
     done = subprocess.run([analyze, "verify", "--man=no", str(unit)], capture_output=True,
                           text=True, timeout=120)
     complaints = [line for line in (done.stdout + done.stderr).splitlines()
-                  if "sluiced.service" in line]
+                  if name in line]
     assert done.returncode == 0 and not complaints, done.stdout + done.stderr
 
 
@@ -78,6 +81,16 @@ def test_unit_is_notify_type_with_watchdog_restart_and_hardening() -> None:
     assert service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
     assert service["ExecStart"][0].split()[:2] == ["/usr/bin/sluiced", "serve"]
     assert service["CapabilityBoundingSet"] == [""]
+
+
+def test_rank_unit_runs_a_joining_rank_that_comes_back_unless_refused() -> None:
+    service = unit_settings(SYSTEMD / "sluiced-rank.service")["Service"]
+    words = service["ExecStart"][0].split()
+    assert words[:2] == ["/usr/bin/sluiced", "worker"] and "--join" in words
+    assert words[words.index("--secret-key-file") + 1] == "%d/sluice_rank_secret_key"
+    assert service["Restart"] == ["always"]
+    assert "77" in service["RestartPreventExitStatus"][0].split()  # EX_NOPERM: refused
+    assert service["User"] == ["sluice"] and service["CapabilityBoundingSet"] == [""]
 
 
 def test_example_config_is_accepted_by_the_daemon() -> None:
@@ -99,18 +112,19 @@ def test_sysusers_creates_the_unit_user() -> None:
     assert ["u", "sluice"] in [entry[:2] for entry in entries]
 
 
-def test_unit_scores_at_most_2_in_systemd_analyze_security(tmp_path) -> None:
+@pytest.mark.parametrize("name", UNITS)
+def test_unit_scores_at_most_2_in_systemd_analyze_security(tmp_path, name) -> None:
     analyze = systemd_analyze()
     usage = subprocess.run([analyze, "security", "--help"], capture_output=True, text=True,
                            timeout=60)
     if "--offline" not in usage.stdout:
         pytest.skip("this systemd-analyze cannot score a unit file offline (--offline needs "
                     "systemd 250 or later)")
-    unit = tmp_path / "sluiced.service"
-    unit.write_text((SYSTEMD / "sluiced.service").read_text())
+    unit = tmp_path / name
+    unit.write_text((SYSTEMD / name).read_text())
     done = subprocess.run([analyze, "security", "--offline=true", "--no-pager", str(unit)],
                           capture_output=True, text=True, timeout=120)
-    found = re.search(r"Overall exposure level for sluiced\.service: ([0-9.]+)", done.stdout)
+    found = re.search(rf"Overall exposure level for {re.escape(name)}: ([0-9.]+)", done.stdout)
     assert found, done.stdout + done.stderr
     assert float(found.group(1)) <= 2.0, done.stdout
 
