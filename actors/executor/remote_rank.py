@@ -45,10 +45,10 @@ def serve_joined_rank(address: str, rank: int, *, model: str | None, server_key:
                     raise JoinRefused(f"the group has {welcome['world_size']} ranks, not the "
                                       f"{world_size} this rank was told (WORLD_SIZE)")
                 log("joined", rank=rank, world_size=welcome["world_size"])
-                steps = tp.init_group(rank, welcome["world_size"], welcome["store_port"],
-                                      timeout_s=welcome["startup_timeout_s"], host=host,
-                                      step_timeout_s=welcome["timeout_s"])
-                try:
+                try:  # a group that does not form (rank 0 gone since) is joined again too
+                    steps = tp.init_group(rank, welcome["world_size"], welcome["store_port"],
+                                          timeout_s=welcome["startup_timeout_s"], host=host,
+                                          step_timeout_s=welcome["timeout_s"])
                     runner = tp._rank_runner(
                         str(path), rank, welcome["world_size"], welcome["dtype"],
                         welcome["kv_dtype"], "cpu", welcome["num_blocks"],
@@ -59,7 +59,8 @@ def serve_joined_rank(address: str, rank: int, *, model: str | None, server_key:
                     log("group ended", rank=rank, reason=f"{type(exc).__name__}: {exc}"[:300])
                 finally:
                     runner = None
-                    dist.destroy_process_group()
+                    if dist.is_initialized():
+                        dist.destroy_process_group()
             finally:
                 socket.disable_monitor()
                 monitor.close(linger=0)
