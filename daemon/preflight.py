@@ -38,6 +38,9 @@ def check_startup(config: DaemonConfig) -> None:
         binds["http.listen"] = check_http_address(config.http.listen)
     if config.metrics_port is not None:
         binds["daemon.metrics_port"] = (config.metrics_host, config.metrics_port)
+    if config.executor == "model" and config.worker.join_hosts:
+        binds["worker.join_listen"] = check_zmq_address("worker.join_listen",
+                                                        config.worker.join_listen)
     _check_distinct(binds)
     for setting, (host, port) in binds.items():
         if port:

@@ -119,3 +119,25 @@ def test_a_cuda_device_past_the_last(tmp_path) -> None:
 
 def test_a_device_name_that_is_no_device(tmp_path) -> None:
     assert_refused(sluiced(tmp_path, "--device", "gpu"), "worker.device", "cpu, cuda or cuda:N")
+
+
+def test_a_tensor_parallel_size_the_model_cannot_split_and_a_busy_join_port(
+        tmp_path, busy_port) -> None:
+    """The embedded model (9 heads, 3 KV heads) on 4 ranks, and ranks on other hosts whose
+    join address another program holds: refused by name before any rank starts."""
+    line = assert_refused(sluiced(tmp_path, "--tensor-parallel", "4"),
+                          "worker.tensor_parallel = 4 cannot split")
+    assert "must be one of 1, 2, 3, 9" in line
+    key = tmp_path / "worker.key"
+    key.write_text("x" * 40)
+    key.chmod(0o600)
+    config = tmp_path / "sluiced.toml"
+    config.write_text(f"""[worker]
+tensor_parallel = 2
+join_hosts = ["10.0.0.2"]
+join_listen = "tcp://127.0.0.1:{busy_port}"
+join_secret_key_file = "{key}"
+join_public_keys = ["{'y' * 40}"]
+""")
+    assert_refused(sluiced(tmp_path, "--config", str(config)), "worker.join_listen",
+                   f"127.0.0.1:{busy_port}", "in use")
