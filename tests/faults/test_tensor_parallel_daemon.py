@@ -97,6 +97,10 @@ async def test_a_two_rank_group_serves_one_process_tokens_and_a_killed_rank_reco
     first = await fetch_status(control)
     ranks = first.worker.rank_pids
     assert len(ranks) == 2 and ranks[0] == first.worker.pid and len(set(ranks)) == 2
+    shown = subprocess.run([sys.executable, "-m", "sluice.daemon.cli", "status",
+                            "--connect-control", control], capture_output=True, text=True,
+                           timeout=60)
+    assert f"tensor parallel 2 ranks   pids {ranks[0]} {ranks[1]}" in shown.stdout, shown
     with trio.fail_after(300):
         async with AsyncClient(listen, daemon_timeout=240) as client:
             calm = [await (await client.generate(p, max_tokens=NEW_TOKENS, temperature=0,
