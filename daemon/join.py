@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                     f"not {rank}")
     world = os.environ.get("WORLD_SIZE")
     try:
-        server_key = args.server_key or (read_key_file(args.server_key_file)
+        server_key = args.server_key or (read_key_file(args.server_key_file, secret=False)
                                          if args.server_key_file else None)
         if server_key is None or len(server_key) != 40:
             return fail("--server-key: the daemon worker's Z85 public key (40 characters), "

@@ -151,10 +151,10 @@ def keypair_from_secret(secret: str) -> tuple[str, str]:
     return zmq.curve_public(secret.encode()).decode(), secret
 
 
-def read_key_file(path: str) -> str:
-    """A Z85 key from a file, refusing one others can read (errors never show the key)."""
-    info = os.stat(path)
-    if info.st_mode & 0o007:
+def read_key_file(path: str, *, secret: bool = True) -> str:
+    """A Z85 key from a file, refusing a secret one others can read (errors never show the
+    key); a public key may be anyone's to read."""
+    if secret and os.stat(path).st_mode & 0o007:
         raise JoinRefused(f"{path} is readable by others; make it 0600 or 0640")
     with open(path) as handle:
         key = handle.read().strip()

@@ -40,9 +40,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+import zmq
 
 from sluice.actors.executor.config import ModelConfig
 from sluice.actors.executor.model import AttentionInputs, LlamaModel
+from sluice.actors.executor.rank_join import (
+    PLAN, READY, RESET, STOP, GroupGone, JoinDesk, model_fingerprint,
+)  # fmt: skip
+from sluice.actors.runtime.registry import CODEC
 from sluice.actors.executor.shards import (
     TensorParallelError,
     check_tensor_parallel,
@@ -346,11 +351,6 @@ def serve_plans(socket, runner, monitor=None) -> None:
     """A rank other than 0: say ready on `socket`, then run every plan rank 0 sends on it
     until it says stop. With `monitor` (a remote rank's), rank 0's connection closing while
     this rank waits ends the group (`GroupGone`)."""
-    import zmq
-
-    from sluice.actors.executor.rank_join import PLAN, READY, RESET, STOP, GroupGone
-    from sluice.actors.runtime.registry import CODEC
-
     socket.send_multipart([READY])
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
@@ -383,7 +383,6 @@ def _follower_main(rank: int, world_size: int, port: int, runner_args: tuple,
     stop. It exits with rank 0's process, and on any error (rank 0 then fails at once, its
     peer gone, rather than at the collective's deadline)."""
     import torch.distributed as dist
-    import zmq
 
     from sluice.actors.executor.lifeline import PARENT_CHECK_SECONDS, die_with_parent
 
@@ -451,11 +450,9 @@ class TensorParallelRunner:
         import tempfile
 
         import torch.distributed as dist
-        import zmq
 
         from sluice.actors.executor.dtypes import dtype_name, resolve_dtypes
         from sluice.actors.executor.loader import read_model_config, resolve_model_path
-        from sluice.actors.executor.rank_join import JoinDesk, model_fingerprint
 
         if torch.device(device).type != "cpu":
             raise TensorParallelError(
@@ -574,8 +571,6 @@ class TensorParallelRunner:
         return [(r, p.exitcode) for r, p in enumerate(self._followers, 1) if not p.is_alive()]
 
     def _send(self, *frames: bytes) -> None:
-        import zmq
-
         if self._closed:
             raise TensorParallelError("this tensor_parallel group is closed")
         if dead := self._dead():  # its collective would fail anyway; this says which rank
@@ -589,9 +584,6 @@ class TensorParallelRunner:
                                           f"({exc})") from exc
 
     def execute(self, plan):
-        from sluice.actors.executor.rank_join import PLAN
-        from sluice.actors.runtime.registry import CODEC
-
         self._send(PLAN, CODEC.encode(plan))
         try:
             return self._runner.execute(plan)
@@ -607,15 +599,11 @@ class TensorParallelRunner:
             raise
 
     def reset_kv(self) -> None:
-        from sluice.actors.executor.rank_join import RESET
-
         self._send(RESET)
         self._runner.reset_kv()
 
     def close(self) -> None:
         """Stop the other ranks and leave the group (idempotent)."""
-        from sluice.actors.executor.rank_join import STOP
-
         if getattr(self, "_closed", True):
             return
         try:
